@@ -1,0 +1,177 @@
+"""PEFT LoRA adapters read from disk (adapter_config.json + adapter_model.safetensors), validated.
+
+Only safetensors is read: a pickle file is refused, never opened.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .config import ModelConfig
+from .errors import AdapterError, AdapterPathError
+from .model import LORA_TARGETS
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+
+
+@dataclass
+class LoRAAdapter:
+    """Host copy of one adapter: weights[layer][peft module] = (A (r, in), B * scaling (out, r))."""
+
+    name: str
+    path: Path
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for layer in self.weights for a, b in layer.values())
+
+
+def resolve_adapter_path(path: str | os.PathLike, roots: tuple[str, ...]) -> Path:
+    """The adapter directory, resolved; with `roots`, it must lie inside one of them (symlinks followed)."""
+    resolved = Path(path).expanduser().resolve()
+    if roots and not any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in roots):
+        raise AdapterPathError(f"adapter path {str(path)!r} is outside the allowed adapter roots")
+    return resolved
+
+
+def _module_name(target: str) -> str:
+    return target.rsplit(".", 1)[-1]
+
+
+def _targets_from_config(raw: dict, source: Path) -> tuple[str, ...]:
+    targets = raw.get("target_modules")
+    names: set[str]
+    if targets is None:
+        return ()
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return tuple(LORA_TARGETS)
+        # PEFT treats a string as a regex matched in full against module paths.
+        pattern = re.compile(targets)
+        names = {m for m in (*LORA_TARGETS, *_UNSUPPORTED_TARGETS)
+                 if pattern.fullmatch(f"model.layers.0.self_attn.{m}") or pattern.fullmatch(f"model.layers.0.mlp.{m}")
+                 or pattern.fullmatch(f"model.{m}") or pattern.fullmatch(m)}
+    else:
+        names = {_module_name(t) for t in targets}
+    bad = sorted(n for n in names if n not in LORA_TARGETS)
+    if bad:
+        raise AdapterError(
+            f"{source}: target_modules {bad} are not supported; supported: {', '.join(LORA_TARGETS)}"
+        )
+    return tuple(sorted(names, key=list(LORA_TARGETS).index))
+
+
+def _check_config(raw: dict, source: Path) -> None:
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{source}: peft_type {raw.get('peft_type')!r} is not supported; only LORA")
+    if raw.get("use_dora"):
+        raise AdapterError(f"{source}: DoRA adapters (use_dora) are not supported")
+    if raw.get("modules_to_save"):
+        raise AdapterError(f"{source}: modules_to_save {raw['modules_to_save']} is not supported")
+    if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
+        raise AdapterError(f"{source}: trained biases (bias={raw.get('bias')!r}) are not supported")
+    if raw.get("target_parameters"):
+        raise AdapterError(f"{source}: target_parameters is not supported")
+
+
+def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
+    # PEFT matches a pattern key against the end of the module's dotted path.
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?{key}$", module_path):
+            return value
+    return default
+
+
+def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank: int,
+                 roots: tuple[str, ...] = ()) -> LoRAAdapter:
+    directory = resolve_adapter_path(path, roots)
+    config_path = directory / CONFIG_FILE
+    weights_path = directory / WEIGHTS_FILE
+    if not directory.is_dir():
+        raise AdapterError(f"adapter {name!r}: {directory} is not a directory")
+    if not config_path.is_file():
+        raise AdapterError(f"adapter {name!r}: {config_path} is missing")
+    if not weights_path.is_file():
+        pickled = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt")]
+        hint = f" (found {pickled[0]}: pickle files are refused; save with safe_serialization=True)" if pickled else ""
+        raise AdapterError(f"adapter {name!r}: {weights_path} is missing{hint}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"adapter {name!r}: {config_path} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise AdapterError(f"adapter {name!r}: {config_path} must hold a JSON object")
+    _check_config(raw, config_path)
+    _targets_from_config(raw, config_path)
+    try:
+        rank, alpha = int(raw["r"]), float(raw.get("lora_alpha", raw["r"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise AdapterError(f"adapter {name!r}: {config_path} needs a numeric 'r' ({e})") from e
+    use_rslora = bool(raw.get("use_rslora", False))
+    alpha_pattern = raw.get("alpha_pattern") or {}
+
+    in_out = {
+        "q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
+        "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
+        "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "down_proj": (cfg.intermediate_size, cfg.hidden_size),
+    }
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                m = _KEY.search(key)
+                if m is None:
+                    raise AdapterError(f"adapter {name!r}: {weights_path}: tensor {key!r} is not a supported LoRA weight")
+                layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+                if module not in LORA_TARGETS:
+                    raise AdapterError(f"adapter {name!r}: {weights_path}: module {module!r} ({key}) is not supported")
+                if layer >= cfg.num_hidden_layers:
+                    raise AdapterError(
+                        f"adapter {name!r}: {weights_path}: {key} names layer {layer}; the model has {cfg.num_hidden_layers}"
+                    )
+                pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"adapter {name!r}: {weights_path} is not a readable safetensors file ({e})") from e
+
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(cfg.num_hidden_layers)]
+    max_seen = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"adapter {name!r}: layer {layer} {module}"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{where}: lora_A and lora_B must both be present")
+        a, b = ab["A"].float(), ab["B"].float()
+        n_in, n_out = in_out[module]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape != (n_out, r):
+            raise AdapterError(
+                f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base model "
+                f"(expected ({r}, {n_in}) / ({n_out}, {r}))"
+            )
+        if r > max_rank:
+            raise AdapterError(f"{where}: rank {r} exceeds max_lora_rank {max_rank}")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"{where}: weights contain NaN or infinity")
+        module_alpha = _pattern_value(alpha_pattern, f"model.layers.{layer}.{module}", alpha)
+        scaling = module_alpha / (math.sqrt(r) if use_rslora else r)
+        weights[layer][module] = (a.contiguous(), (b * scaling).contiguous())
+        max_seen = max(max_seen, r)
+    if not pairs:
+        raise AdapterError(f"adapter {name!r}: {weights_path} holds no LoRA weights")
+    targets = tuple(m for m in LORA_TARGETS if any(m in layer for layer in weights))
+    return LoRAAdapter(name, directory, max_seen, alpha, use_rslora, targets, weights)

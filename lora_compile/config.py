@@ -1,0 +1,175 @@
+"""Typed configuration: the model's (read from HF config.json) and the engine's (chosen by the operator)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str  # "default", "linear" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # qkv bias (Qwen2 always has it)
+    o_proj_bias: bool
+    mlp_bias: bool
+    torch_dtype: torch.dtype
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; a model directory needs a Hugging Face config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+            if dtype_name not in _DTYPES:
+                raise CheckpointError(f"{source}: unsupported torch_dtype {dtype_name!r}")
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            is_qwen2 = arch == "Qwen2ForCausalLM"
+            cfg = cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+                o_proj_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                torch_dtype=_DTYPES[dtype_name],
+                rope_scaling=_rope_scaling(raw, source),
+                sliding_window=_sliding_window(raw),
+                eos_token_ids=tuple(int(e) for e in eos_ids),
+                bos_token_id=raw.get("bos_token_id"),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from e
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise CheckpointError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
+        return cfg
+
+
+def _rope_scaling(raw: dict, source: str) -> RopeScaling | None:
+    # transformers 5 moved rope settings into "rope_parameters"; older files use "rope_scaling".
+    rs = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3"):
+        raise CheckpointError(f"{source}: unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+    return RopeScaling(
+        rope_type=kind,
+        factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_window(raw: dict) -> int | None:
+    if raw.get("use_sliding_window") is False:  # Qwen2 ships a window it does not use by default
+        return None
+    window = raw.get("sliding_window")
+    return int(window) if window else None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    max_batch_size: int = 8          # running sequences = KV slots
+    max_seq_len: int = 1024          # prompt + generated tokens per sequence
+    max_num_batched_tokens: int = 256  # per step: decode tokens + prefill chunk tokens
+    max_loras_per_batch: int = 4     # device slots (slot 0, the base model, comes on top)
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 64          # adapters kept in host memory
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = True
+    inductor_cache_dir: str | None = None
+    adapter_roots: tuple[str, ...] = ()  # empty: any directory may be registered (local/offline use)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "max_loras_per_batch", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens <= self.max_batch_size:
+            # every step must leave room for at least one prefill token besides the decodes
+            raise ValueError("max_num_batched_tokens must be larger than max_batch_size")

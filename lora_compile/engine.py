@@ -1,0 +1,329 @@
+"""The engine: a model, its KV cache and LoRA slots, and `step()` over a batch of running sequences."""
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence as SequenceLike
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import compile_policy
+from .checkpoint import SafetensorsCheckpoint
+from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from .forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from .layers import rope_tables
+from .lora_manager import LoRAManager
+from .model import CausalLM
+from .sampling import SamplingParams, sample
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class StepOutput:
+    seq_ids: list[int]          # sequences that received a token this step, in order
+    token_ids: list[int]
+    logits: torch.Tensor | None = None  # (len(seq_ids), vocab) when asked for
+    num_tokens: int = 0         # tokens processed (prefill chunks + decodes)
+    num_adapters: int = 0       # distinct adapters in the step
+    kind: str = "decode"        # "decode", "prefill" or "mixed"
+    batch_init_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass
+class _Planned:
+    seq: Sequence
+    start: int  # first position computed this step
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == self.seq.num_tokens
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        model_dir = Path(config.model)
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids, mc.bos_token_id)
+        self.model_name = model_dir.name
+        if config.compile:
+            compile_policy.configure(config.inductor_cache_dir)
+        self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device)
+        with SafetensorsCheckpoint(model_dir) as ckpt:
+            self.model.load_weights(ckpt)
+        n_kv_slots = config.max_batch_size + 1  # the extra slot absorbs padding tokens' writes
+        for layer in self.model.layers:
+            layer.self_attn.allocate_kv_cache(n_kv_slots, config.max_seq_len, self.dtype, self.device)
+        self._scratch_slot = config.max_batch_size
+        self._free_kv = deque(range(config.max_batch_size))
+        self.rope_cos, self.rope_sin = rope_tables(mc, config.max_seq_len, self.dtype, self.device)
+        self.adapters = LoRAManager(
+            self.model, mc, config.max_loras_per_batch, config.max_lora_rank, config.max_cpu_loras,
+            tuple(config.adapter_roots),
+        )
+        max_tokens = config.max_num_batched_tokens + 1
+        self._arange = torch.arange(max(config.max_seq_len, max_tokens, config.max_loras_per_batch + 2),
+                                    device=self.device)
+        # One metadata buffer per step; on CUDA filled from a pinned host copy with one non-blocking copy.
+        rows = config.max_batch_size + 2
+        capacity = (5 + config.max_loras_per_batch + 2) * max_tokens + 4 * rows + 2 * rows * max_tokens + 64
+        self._meta_host = torch.zeros(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._meta_dev = self._meta_host if self.device.type == "cpu" else torch.zeros_like(self._meta_host, device=self.device)
+        self._meta_np = self._meta_host.numpy()
+        self._rng = random.Random(config.seed)
+        self._compiled = config.compile
+        self._warmed_up = False
+        if self._compiled:
+            compile_policy.compile_layers(self.model.layers)
+
+    # --- capacity -----------------------------------------------------------------------------------
+    @property
+    def num_free_kv_slots(self) -> int:
+        return len(self._free_kv)
+
+    def check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError naming the problem if the engine could never serve this request."""
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + sampling.max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
+                f"max_seq_len {self.config.max_seq_len}"
+            )
+
+    def try_admit(self, seq: Sequence) -> bool:
+        """Reserve a KV slot and pin the sequence's adapter; False (nothing changed) when either is full."""
+        assert seq.kv_slot is None, "sequence already admitted"
+        self.check_request(seq.prompt_ids, seq.sampling)
+        if not self._free_kv:
+            return False
+        lora_slot = self.adapters.acquire(seq.adapter)
+        if lora_slot is None:
+            return False
+        seq.kv_slot = self._free_kv.popleft()
+        seq.lora_slot = lora_slot
+        seq.num_computed_tokens = 0
+        if not seq.sampling.greedy:
+            seed = seq.sampling.seed if seq.sampling.seed is not None else self._rng.getrandbits(63)
+            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        if seq.kv_slot is None:
+            return
+        self._free_kv.append(seq.kv_slot)
+        self.adapters.release(seq.lora_slot)
+        seq.kv_slot = None
+        seq.lora_slot = 0
+
+    # --- one step -----------------------------------------------------------------------------------
+    def _plan(self, seqs: SequenceLike[Sequence]) -> tuple[list[_Planned], list[_Planned]]:
+        """Split the step's token budget: every one-token sequence first, then prefill chunks in order."""
+        budget = self.config.max_num_batched_tokens
+        single, chunks = [], []
+        for seq in seqs:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            assert seq.kv_slot is not None and remaining >= 1 and not seq.is_finished, "sequence not runnable"
+            if remaining == 1:
+                single.append(_Planned(seq, seq.num_computed_tokens, 1))
+                budget -= 1
+        for seq in seqs:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining == 1 or budget <= 0:
+                continue
+            n = min(remaining, budget)
+            budget -= n
+            (single if n == 1 else chunks).append(_Planned(seq, seq.num_computed_tokens, n))
+        return single, chunks
+
+    def _build_batch(self, single: list[_Planned], chunks: list[_Planned]):
+        """Batch init: pack all per-step metadata into one buffer, one copy to the device, then views."""
+        max_len = self.config.max_seq_len
+        scratch = self._scratch_slot * max_len  # where padding tokens write their K/V
+        n_single = len(single)
+        n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
+        dummy = n_tokens - 1
+        # Adapter slots of this step; n = 1 is padded with the (zero) base slot so graphs only see n = 0 or n >= 2.
+        active = sorted({p.seq.lora_slot for p in (*single, *chunks)} - {0})
+        if len(active) == 1:
+            active.append(0)
+        column = {slot: j for j, slot in enumerate(active)}
+
+        input_ids, positions, slot_mapping, lora_col = [], [], [], []
+        for p in (*single, *chunks):
+            kv = p.seq.kv_slot * max_len
+            input_ids += p.seq.tokens(p.start, p.start + p.length)
+            positions += range(p.start, p.start + p.length)
+            slot_mapping += range(kv + p.start, kv + p.start + p.length)
+            lora_col += [column.get(p.seq.lora_slot, -1) if p.seq.lora_slot else -1] * p.length
+        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(-1)
+
+        dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
+        dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)
+        dec_kv = [p.seq.kv_slot for p in single] + [self._scratch_slot] * max(0, 2 - n_single)
+        width = max([2] + [p.length for p in chunks])
+        n_rows = max(2, len(chunks))
+        pre_idx, pre_pos, pre_kv, out_idx = [], [], [], list(range(n_single))
+        offset = n_single
+        for row in range(n_rows):
+            if row < len(chunks):
+                p = chunks[row]
+                pre_idx += list(range(offset, offset + p.length)) + [dummy] * (width - p.length)
+                pre_pos += list(range(p.start, p.start + p.length)) + [0] * (width - p.length)
+                pre_kv.append(p.seq.kv_slot)
+                out_idx += range(len(dec_idx) + row * width, len(dec_idx) + row * width + p.length)
+                offset += p.length
+            else:
+                pre_idx += [dummy] * width
+                pre_pos += [0] * width
+                pre_kv.append(self._scratch_slot)
+        out_idx.append(0)
+        mask = [1 if c == j else 0 for c in lora_col for j in range(len(active))]
+        logits_idx, sampled = [], []
+        flat = 0
+        for p in (*single, *chunks):
+            flat += p.length
+            if p.samples:
+                logits_idx.append(flat - 1)
+                sampled.append(p.seq)
+
+        fields = [input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos, pre_kv,
+                  out_idx, active, mask, logits_idx]
+        sizes = [len(f) for f in fields]
+        total = sum(sizes)
+        if total > self._meta_np.shape[0]:
+            raise RuntimeError(f"step metadata needs {total} entries, buffer holds {self._meta_np.shape[0]}")
+        start = 0
+        for f, size in zip(fields, sizes):
+            self._meta_np[start:start + size] = f
+            start += size
+        buf = self._meta_dev
+        if buf is not self._meta_host:
+            buf[:total].copy_(self._meta_host[:total], non_blocking=True)  # the step's one host-to-device copy
+        views, start = [], 0
+        for size in sizes:
+            views.append(buf[start:start + size])
+            start += size
+        (v_ids, v_pos, v_slot_mapping, v_dec_idx, v_dec_pos, v_dec_kv, v_pre_idx, v_pre_pos, v_pre_kv,
+         v_out_idx, v_active, v_mask, v_logits_idx) = views
+        attn = AttentionMetadata(
+            slot_mapping=v_slot_mapping,
+            decode_token_idx=v_dec_idx, decode_q_pos=v_dec_pos, decode_kv_slots=v_dec_kv,
+            decode_key_pos=self._arange[: max(2, max(dec_pos) + 1)],
+            prefill_token_idx=v_pre_idx.view(n_rows, width), prefill_q_pos=v_pre_pos.view(n_rows, width),
+            prefill_kv_slots=v_pre_kv, prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],
+            out_idx=v_out_idx,
+        )
+        lora = LoRABatch(active_slots=v_active, token_mask=v_mask.view(n_tokens, len(active)))
+        fb = ForwardBatch(cos=self.rope_cos[v_pos], sin=self.rope_sin[v_pos], attn=attn, lora=lora)
+        return v_ids, fb, v_logits_idx, sampled, len(active) - (0 in active)
+
+    @torch.inference_mode()
+    def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
+        """Run one forward over `seqs` and give each sequence that completed its tokens one new token."""
+        t0 = time.perf_counter()
+        single, chunks = self._plan(seqs)
+        input_ids, fb, logits_idx, sampled, n_adapters = self._build_batch(single, chunks)
+        if self._compiled:
+            compile_policy.mark_dynamic(fb)
+        t1 = time.perf_counter()
+        with compile_policy.steady_state(self._compiled and self._warmed_up):
+            logits = self.model(input_ids, fb, logits_idx)
+        t2 = time.perf_counter()
+        result = sample(logits, sampled) if sampled else None
+        for p in (*single, *chunks):
+            p.seq.num_computed_tokens += p.length
+        token_ids = result.token_ids if result else []
+        for i, (seq, token) in enumerate(zip(sampled, token_ids)):
+            seq.output_ids.append(token)
+            if result.logprobs is not None and (seq.sampling.logprobs or seq.sampling.top_logprobs):
+                seq.output_logprobs.append(result.logprobs[i])
+                if result.top_logprobs is not None:
+                    seq.output_top_logprobs.append(result.top_logprobs[i])
+            seq.finish_reason = self._finish_reason(seq, token)
+        t3 = time.perf_counter()
+        kind = "mixed" if chunks and single else ("prefill" if chunks else "decode")
+        return StepOutput(
+            seq_ids=[s.seq_id for s in sampled], token_ids=token_ids,
+            logits=logits if return_logits else None,
+            num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=n_adapters, kind=kind,
+            batch_init_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
+        )
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.sampling
+        if token in sp.stop_token_ids:
+            return "stop"
+        if not sp.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "eos"
+        if len(seq.output_ids) >= sp.max_new_tokens or seq.num_tokens >= self.config.max_seq_len:
+            return "length"
+        return None
+
+    # --- warm-up ------------------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Compile every graph variant (no adapter / adapters) on throwaway sequences in the scratch slot."""
+        t0 = time.perf_counter()
+        if self._compiled and not self._warmed_up:
+            max_tokens = self.config.max_num_batched_tokens
+            lengths = [1, 1, 1, min(5, max_tokens // 4), min(7, max_tokens // 3)]
+            lora_slots = [1, min(2, self.config.max_loras_per_batch), 1, 0, 1]
+            for use_lora in (False, True):
+                seqs = []
+                for i, n in enumerate(lengths):
+                    seq = Sequence(-1 - i, list(range(1, n + 1)), SamplingParams(max_new_tokens=1))
+                    seq.kv_slot = self._scratch_slot
+                    seq.lora_slot = lora_slots[i] if use_lora else 0
+                    seqs.append(seq)
+                self.step(seqs)
+        self._warmed_up = True
+        return time.perf_counter() - t0
+
+    # --- offline use --------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]] | list[str],
+        sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
+        adapters: list[str | None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[list[int]]:
+        """Generate for every prompt with continuous batching; returns each prompt's new token ids."""
+        n = len(prompts)
+        params = sampling if isinstance(sampling, list) else [sampling] * n
+        names = adapters or [None] * n
+        seqs = [
+            Sequence(i, self.tokenizer.encode(p) if isinstance(p, str) else list(p), params[i], names[i])
+            for i, p in enumerate(prompts)
+        ]
+        waiting, running = deque(seqs), []
+        try:
+            while waiting or running:
+                while waiting and self.try_admit(waiting[0]):
+                    running.append(waiting.popleft())
+                if not running:
+                    raise RuntimeError("no capacity to admit a sequence: check max_batch_size / max_loras_per_batch")
+                out = self.step(running)
+                if on_token:
+                    for seq_id, token in zip(out.seq_ids, out.token_ids):
+                        on_token(seq_id, token)
+                for seq in [s for s in running if s.is_finished]:
+                    self.release(seq)
+                    running.remove(seq)
+        finally:
+            for seq in running:
+                self.release(seq)
+        return [s.output_ids for s in seqs]

@@ -1,0 +1,25 @@
+"""Errors the engine raises; the service maps each to one gRPC status."""
+
+
+class LoraCompileError(Exception):
+    """Base class of all engine errors."""
+
+
+class CheckpointError(LoraCompileError):
+    """A model directory that cannot be served: missing file, tensor, wrong shape, unsupported architecture."""
+
+
+class AdapterError(LoraCompileError):
+    """An adapter that cannot be loaded; the message says what is wrong with it."""
+
+
+class AdapterNotFoundError(LoraCompileError):
+    """A request names an adapter that is not registered."""
+
+
+class AdapterInUseError(LoraCompileError):
+    """An adapter cannot be unloaded while running sequences use it."""
+
+
+class AdapterPathError(AdapterError):
+    """An adapter path outside the allowed root directories."""

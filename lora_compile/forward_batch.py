@@ -1,0 +1,39 @@
+"""Per-step inputs of the decoder layers: views into one preallocated metadata buffer.
+
+Every field is a tensor (never a Python int), so one compiled graph serves any batch: sizes that vary
+between steps are dynamic dimensions of these tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # Tokens of the step are laid out flat: [sequences with one token | prefill chunks | one dummy].
+    slot_mapping: torch.Tensor       # (T,) where each token's K/V goes: kv_slot * max_seq_len + position
+    decode_token_idx: torch.Tensor   # (Bd,) flat index of the single token of each "decode" sequence
+    decode_q_pos: torch.Tensor       # (Bd,) its position
+    decode_kv_slots: torch.Tensor    # (Bd,)
+    decode_key_pos: torch.Tensor     # (Sd,) 0..Sd-1: keys read by the decode group
+    prefill_token_idx: torch.Tensor  # (Bp, Lp) flat index of each chunk token, padded
+    prefill_q_pos: torch.Tensor      # (Bp, Lp) position of each chunk token (0 on padding)
+    prefill_kv_slots: torch.Tensor   # (Bp,)
+    prefill_key_pos: torch.Tensor    # (Sp,)
+    out_idx: torch.Tensor            # (T,) row of each token in cat(decode output, prefill output)
+
+
+@dataclass
+class LoRABatch:
+    active_slots: torch.Tensor  # (n,) device slots used by this step (n = 0: base model only)
+    token_mask: torch.Tensor    # (T, n) 1.0 where token t uses active_slots[j]
+
+
+@dataclass
+class ForwardBatch:
+    cos: torch.Tensor  # (T, head_dim) rotary tables gathered at each token's position
+    sin: torch.Tensor
+    attn: AttentionMetadata
+    lora: LoRABatch

@@ -1,0 +1,179 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) with fused qkv / gate_up projections and LoRA slots."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import compile_policy
+from .checkpoint import SafetensorsCheckpoint
+from .config import ModelConfig
+from .forward_batch import AttentionMetadata, ForwardBatch
+from .layers import LoRALinear, RMSNorm, apply_rotary
+
+# Modules a LoRA adapter may target: PEFT name -> (our fused module, output slice index).
+LORA_TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+
+
+def attend(
+    q: torch.Tensor,            # (T, H, D) queries of every token of the step
+    k_cache: torch.Tensor,      # (slots, max_seq_len, Hkv, D)
+    v_cache: torch.Tensor,
+    token_idx: torch.Tensor,    # (B, L) which tokens form each sequence's query block
+    q_pos: torch.Tensor,        # (B, L)
+    kv_slots: torch.Tensor,     # (B,)
+    key_pos: torch.Tensor,      # (S,) keys 0..S-1 are read
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query block over its cached keys; returns (B*L, H*D)."""
+    batch, length = token_idx.shape
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv = k_cache.shape[2]
+    group = n_heads // n_kv
+    s = key_pos.shape[0]
+    # Grouped-query attention without repeating K/V: query heads of one KV head form one block.
+    qb = q[token_idx.reshape(-1)].view(batch, length, n_kv, group, head_dim)
+    qb = qb.permute(0, 2, 1, 3, 4).reshape(batch, n_kv, length * group, head_dim)
+    k = k_cache[kv_slots, :s].permute(0, 2, 3, 1)  # (B, Hkv, D, S)
+    v = v_cache[kv_slots, :s].permute(0, 2, 1, 3)  # (B, Hkv, S, D)
+    scores = (torch.matmul(qb, k) * scale).float().view(batch, n_kv, length, group, s)
+    visible = key_pos[None, None, :] <= q_pos[:, :, None]  # (B, L, S)
+    if sliding_window is not None:
+        visible = visible & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+    scores = scores.masked_fill(~visible[:, None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, n_kv, length * group, s)
+    out = torch.matmul(probs, v).view(batch, n_kv, length, group, head_dim)
+    return out.permute(0, 2, 1, 3, 4).reshape(batch * length, n_heads * head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window
+        self.qkv_proj = LoRALinear(
+            cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias, max_loras, max_rank, dtype, device
+        )
+        self.o_proj = LoRALinear(cfg.q_size, (cfg.hidden_size,), cfg.o_proj_bias, max_loras, max_rank, dtype, device)
+        # Allocated by the engine once it knows its capacity (allocate_kv_cache).
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def allocate_kv_cache(self, n_slots: int, max_seq_len: int, dtype, device) -> None:
+        shape = (n_slots, max_seq_len, self.n_kv, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x, fb.lora)
+        q = qkv[:, : self.q_size].view(tokens, self.n_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.n_kv, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.n_kv, self.head_dim)
+        q = apply_rotary(q, fb.cos, fb.sin)
+        k = apply_rotary(k, fb.cos, fb.sin)
+        md: AttentionMetadata = fb.attn
+        # Write this step's keys/values first, so each query block reads its own chunk from the cache too.
+        self.k_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = k
+        self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v
+        decode = attend(
+            q, self.k_cache, self.v_cache, md.decode_token_idx[:, None], md.decode_q_pos[:, None],
+            md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window,
+        )
+        prefill = attend(
+            q, self.k_cache, self.v_cache, md.prefill_token_idx, md.prefill_q_pos,
+            md.prefill_kv_slots, md.prefill_key_pos, self.scale, self.sliding_window,
+        )
+        out = torch.cat([decode, prefill], dim=0)[md.out_idx]
+        return self.o_proj(out, fb.lora)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.inter = inter
+        self.gate_up_proj = LoRALinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias, max_loras, max_rank, dtype, device)
+        self.down_proj = LoRALinear(inter, (cfg.hidden_size,), cfg.mlp_bias, max_loras, max_rank, dtype, device)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, fb.lora)
+        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], fb.lora)
+
+
+class DecoderLayer(nn.Module):
+    """The unit of (regional) compilation: one graph serves every layer."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, max_loras, max_rank, dtype, device)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), fb)
+        return h + self.mlp(self.post_attention_layernorm(h), fb)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, max_loras, max_rank, dtype, device) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens.weight if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        )
+
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        compile_policy.mark_token_dim(h)
+        for layer in self.layers:
+            h = layer(h, fb)
+        # Only the rows that are sampled go through the (large) vocabulary projection.
+        return F.linear(self.norm(h[logits_idx]), self.lm_head).float()
+
+    @torch.no_grad()
+    def load_weights(self, ckpt: SafetensorsCheckpoint) -> None:
+        """Copy every tensor from the checkpoint into place, fusing q/k/v and gate/up on the way."""
+        cfg = self.config
+
+        def put(dst: torch.Tensor, name: str) -> None:
+            dst.copy_(ckpt.get(name, tuple(dst.shape)))
+
+        put(self.embed_tokens.weight, "model.embed_tokens.weight")
+        put(self.norm.weight, "model.norm.weight")
+        if not cfg.tie_word_embeddings:
+            put(self.lm_head, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            put(layer.input_layernorm.weight, p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            fused = (
+                (layer.self_attn.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                (layer.self_attn.o_proj, ("self_attn.o_proj",)),
+                (layer.mlp.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj")),
+                (layer.mlp.down_proj, ("mlp.down_proj",)),
+            )
+            for module, names in fused:
+                for (start, end), name in zip(module._slices, names):
+                    put(module.weight[start:end], f"{p}{name}.weight")
+                    if module.bias is not None:
+                        put(module.bias[start:end], f"{p}{name}.bias")

@@ -1,0 +1,119 @@
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, repetition penalty).
+
+Each sequence that samples draws from its own torch.Generator, a fixed amount per step, so a seeded
+request gives the same tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0            # 0: off
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        def finite(name: str) -> float:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            return value
+
+        if finite("temperature") < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < finite("top_p") <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if finite("repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seqs: list["Sequence"]) -> None:
+    """In place, as transformers does: divide positive logits of seen tokens by the penalty, multiply negatives."""
+    for row, seq in enumerate(seqs):
+        penalty = seq.sampling.repetition_penalty
+        if penalty == 1.0:
+            continue
+        seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), device=logits.device)
+        picked = logits[row, seen]
+        logits[row, seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p (so the top token always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> SampleResult:
+    """logits: (B, vocab) float32, one row per sequence in `seqs`."""
+    apply_repetition_penalty(logits, seqs)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        params = [seqs[i].sampling for i in random_rows]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        scaled = logits[rows] / temps[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        # Exponential race (argmax p/E, E ~ Exp(1)) is a categorical draw; each row uses its own generator.
+        noise = torch.stack(
+            [torch.empty_like(probs[j]).exponential_(generator=seqs[i].generator) for j, i in enumerate(random_rows)]
+        )
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+    want_logprobs = any(s.sampling.logprobs or s.sampling.top_logprobs for s in seqs)
+    token_list = tokens.tolist()  # the step's one device-to-host read
+    if not want_logprobs:
+        return SampleResult(token_list, None, None)
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    k = max(s.sampling.top_logprobs for s in seqs)
+    top = None
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        top = [list(zip(i[: s.sampling.top_logprobs], v[: s.sampling.top_logprobs]))
+               for i, v, s in zip(ids.tolist(), values.tolist(), seqs)]
+    return SampleResult(token_list, chosen, top)

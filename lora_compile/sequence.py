@@ -1,0 +1,43 @@
+"""One request's state as the engine sees it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None  # None or "": the base model
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # "length", "eos" or "stop"
+    # Owned by the engine while the sequence is admitted.
+    kv_slot: int | None = None
+    lora_slot: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_at(self, index: int) -> int:
+        n_prompt = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n_prompt else self.output_ids[index - n_prompt]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
