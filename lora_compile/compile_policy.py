@@ -23,9 +23,12 @@ def default_inductor_cache_dir() -> Path:
 
 
 def configure(cache_dir: str | None) -> None:
-    path = Path(cache_dir) if cache_dir else default_inductor_cache_dir()
-    path.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
+    """cache_dir wins; else an operator's TORCHINDUCTOR_CACHE_DIR; else ours (not torch's /tmp default)."""
+    if cache_dir or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        path = Path(cache_dir) if cache_dir else default_inductor_cache_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        # Assigned, not setdefault: once Inductor has run, torch has written its own default here.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     # Separate symbols for equal-sized dims at trace time; otherwise a later mismatch would recompile.

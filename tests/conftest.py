@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny checkpoints and PEFT adapters made here, and compiled engines built once per session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lora_compile import Engine, EngineConfig
+from tests.checkpoints import make_peft_adapter, make_tiny_model
+
+# Kept between runs (and shared by all tests of a run) so compiled graphs are generated once.
+INDUCTOR_CACHE = os.environ.get("LORA_SERVE_TEST_INDUCTOR_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "inductor"))
+
+# Three adapters that differ in rank, targets and scaling rule (one rsLoRA).
+ADAPTER_SPECS = {
+    "qv8": dict(r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), seed=11),
+    "all4": dict(r=4, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), seed=12),
+    "mlp16rs": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=("o_proj", "gate_proj", "up_proj", "down_proj"), seed=13),
+}
+ENGINE_LIMITS = dict(max_batch_size=6, max_seq_len=192, max_num_batched_tokens=24, max_loras_per_batch=3, max_lora_rank=16)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": make_tiny_model(root / "llama", "llama", seed=0),
+        "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=1),
+    }
+
+
+@pytest.fixture(scope="session")
+def adapters(models, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        arch: {name: make_peft_adapter(base, root / arch / name, **spec) for name, spec in ADAPTER_SPECS.items()}
+        for arch, base in models.items()
+    }
+
+
+def build_engine(model_dir: Path, adapter_dirs: dict[str, Path] | None = None, *, compile: bool, **limits) -> Engine:
+    engine = Engine(EngineConfig(model=str(model_dir), compile=compile, inductor_cache_dir=INDUCTOR_CACHE,
+                                 **(ENGINE_LIMITS | limits)))
+    for name, path in (adapter_dirs or {}).items():
+        engine.adapters.register(name, str(path))
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture(scope="session")
+def compiled_engines(models, adapters):
+    """One compiled engine per architecture, shared by every test that needs one."""
+    cache: dict[str, Engine] = {}
+
+    def get(arch: str) -> Engine:
+        if arch not in cache:
+            cache[arch] = build_engine(models[arch], adapters[arch], compile=True)
+        return cache[arch]
+
+    return get

@@ -1,0 +1,94 @@
+"""Compilation: after warm-up no workload recompiles (steps run under fail_on_recompile), chunked prefill
+lets decoding sequences keep going, and the Inductor cache directory is used."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from lora_compile import SamplingParams, Sequence
+from tests.conftest import ADAPTER_SPECS, INDUCTOR_CACHE
+
+pytestmark = pytest.mark.slow
+
+
+def test_random_workload_never_recompiles(compiled_engines):
+    """Batch sizes 1..max, prompt lengths 1..100, prefill/decode mixes and any adapter mix, with adapters
+    evicted and reloaded (4 adapters, 3 slots): any recompile raises inside step()."""
+    engine = compiled_engines("llama")
+    rng = random.Random(0)
+    names = [None, *ADAPTER_SPECS]
+    max_batch = engine.config.max_batch_size
+    running: list[Sequence] = []
+    next_id, steps, sizes_seen = 1000, 0, set()
+    torch._dynamo.utils.counters.clear()
+    while steps < 120:
+        while len(running) < max_batch and rng.random() < 0.5:
+            prompt = [rng.randrange(1, 300) for _ in range(rng.choice([1, 2, 3, rng.randrange(4, 100)]))]
+            seq = Sequence(next_id, prompt, SamplingParams(max_new_tokens=rng.randrange(1, 12), ignore_eos=True),
+                           rng.choice(names))
+            next_id += 1
+            if not engine.try_admit(seq):
+                break
+            running.append(seq)
+        if not running:
+            continue
+        engine.step(running)  # raises on any recompile: the engine is past warm-up
+        sizes_seen.add(len(running))
+        steps += 1
+        for seq in [s for s in running if s.is_finished]:
+            engine.release(seq)
+            running.remove(seq)
+    for seq in running:
+        engine.release(seq)
+    assert sizes_seen >= set(range(1, max_batch + 1)), f"workload did not cover every batch size: {sizes_seen}"
+    assert engine.num_free_kv_slots == max_batch
+    assert engine.adapters.num_free_slots == engine.config.max_loras_per_batch
+
+
+def test_recompile_would_be_caught(compiled_engines):
+    """The guard is real: a shape never seen in warm-up (a wrong hidden size) fails instead of recompiling."""
+    engine = compiled_engines("llama")
+    seq = Sequence(1, [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert engine.try_admit(seq)
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            layer = engine.model.layers[0]
+            single, chunks = engine._plan([seq])
+            _, fb, *_ = engine._build_batch(single, chunks)
+            bad = torch.zeros(4, engine.model_config.hidden_size, dtype=torch.float64)
+            with pytest.raises(Exception, match="(?i)recompil"):
+                layer(bad, fb)
+    finally:
+        engine.release(seq)
+
+
+def test_long_prompt_is_chunked_while_others_decode(compiled_engines):
+    engine = compiled_engines("llama")
+    budget = engine.config.max_num_batched_tokens
+    decoders = [Sequence(i, [3 + i, 4, 5], SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(2)]
+    running = list(decoders)
+    for seq in running:
+        assert engine.try_admit(seq)
+    engine.step(running)  # prefill the short prompts
+    long_prompt = Sequence(9, [(7 * i) % 290 + 1 for i in range(5 * budget)], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert engine.try_admit(long_prompt)
+    running.append(long_prompt)
+    prefill_steps = 0
+    while not long_prompt.output_ids:
+        out = engine.step(running)
+        prefill_steps += 1
+        # every step, both decoding sequences get their token; the step stays within the token budget
+        assert {0, 1} <= set(out.seq_ids)
+        assert out.num_tokens <= budget
+    assert prefill_steps >= 5  # the prompt went in chunks, not in one stall
+    for seq in running:
+        engine.release(seq)
+
+
+def test_inductor_cache_directory_is_used(compiled_engines):
+    compiled_engines("llama")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == INDUCTOR_CACHE
+    assert any(os.scandir(INDUCTOR_CACHE))

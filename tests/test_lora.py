@@ -1,0 +1,214 @@
+"""Batched multi-LoRA: one batch mixing the base model and three PEFT adapters gives, per sequence, exactly
+what peft gives for that adapter alone; constant buffers; one-copy batch init; refusals; device slots."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lora_compile import SamplingParams, Sequence
+from lora_compile.errors import AdapterError, AdapterInUseError, AdapterNotFoundError
+from lora_compile.layers import LoRALinear
+from tests.checkpoints import make_peft_adapter, make_tiny_model, reference_greedy
+from tests.conftest import ADAPTER_SPECS, build_engine
+from tests.test_engine_golden import NEW_TOKENS, PROMPTS, assert_matches_reference, run_joining
+
+MIXED = [None, "qv8", "all4", "mlp16rs"]  # one sequence per adapter, and one on the base model
+
+
+def check_mixed_batch(engine, model_dir, adapter_dirs):
+    tokens, logits = run_joining(engine, PROMPTS, adapters=MIXED, join_at=[0, 0, 1, 2])
+    assert_matches_reference(model_dir, PROMPTS, tokens, logits, [adapter_dirs.get(n) if n else None for n in MIXED])
+    # Non-degenerate: the same prompt under each adapter gives a different continuation than under the base.
+    prompt = PROMPTS[0]
+    base_tokens, _ = reference_greedy(model_dir, prompt, NEW_TOKENS)
+    per_adapter = [reference_greedy(model_dir, prompt, NEW_TOKENS, adapter_dirs[n])[0] for n in MIXED[1:]]
+    assert len({tuple(base_tokens), *map(tuple, per_adapter)}) == len(MIXED)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_batch_matches_peft_eager(models, adapters, arch):
+    engine = build_engine(models[arch], adapters[arch], compile=False)
+    check_mixed_batch(engine, models[arch], adapters[arch])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_batch_matches_peft_compiled(models, adapters, compiled_engines, arch):
+    check_mixed_batch(compiled_engines(arch), models[arch], adapters[arch])
+
+
+def test_output_offsets_are_construction_time_buffers():
+    layer = LoRALinear(64, (64, 32, 32), bias=False, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    assert dict(layer.named_buffers())["output_offset"].tolist() == [0, 64, 96, 128]
+    assert "output_offset" not in layer.state_dict()
+    assert "lora_a" not in layer.state_dict() and "lora_b" not in layer.state_dict()
+    offsets = layer.output_offset
+    layer.to("meta")  # buffers follow the module
+    assert layer.output_offset.device.type == "meta" and offsets.device.type == "cpu"
+    gate_up = LoRALinear(64, (128, 128), bias=False, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    assert gate_up.output_offset.tolist() == [0, 128, 256]
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _batch_init_ops(engine) -> list[str]:
+    seqs = [Sequence(i, list(range(1, 4 + 5 * i)), SamplingParams(max_new_tokens=4, ignore_eos=True), name)
+            for i, name in enumerate([None, "qv8", "all4", None])]
+    for seq in seqs:
+        assert engine.try_admit(seq)
+    engine.step(seqs)  # prefill, so the counted step mixes decode (1 token) and prefill (chunks)
+    seqs[3].num_computed_tokens = 0
+    try:
+        with _CountOps() as mode:
+            engine._build_batch(*engine._plan(seqs))
+        return mode.ops
+    finally:
+        for seq in seqs:
+            engine.release(seq)
+
+
+def test_batch_init_work_does_not_grow_with_depth(tmp_path, adapters):
+    """Batch init does no per-layer work: the same ops for a 2- and a 12-layer model, and none of them copies
+    per layer (on CPU the metadata buffer is the device buffer: no copy at all; on CUDA one)."""
+    counts = {}
+    for layers in (2, 12):
+        model_dir = make_tiny_model(tmp_path / f"m{layers}", "llama", seed=0, num_layers=layers)
+        engine = build_engine(model_dir, compile=False)
+        for name in ("qv8", "all4"):
+            make_peft_adapter(model_dir, tmp_path / f"a{layers}{name}", **ADAPTER_SPECS[name])
+            engine.adapters.register(name, str(tmp_path / f"a{layers}{name}"))
+        counts[layers] = _batch_init_ops(engine)
+    assert counts[2] == counts[12]
+    copies = [op for op in counts[12] if op in ("aten.copy_", "aten._to_copy", "aten.clone")]
+    assert len(copies) <= 1
+    assert len(counts[12]) < 40, counts[12]
+
+
+# --- refusals ------------------------------------------------------------------------------------------
+
+def _variant(src, dst, config_edit=None, tensors_edit=None):
+    shutil.copytree(src, dst)
+    if config_edit:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        config_edit(cfg)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors_edit:
+        tensors = load_file(dst / "adapter_model.safetensors")
+        tensors_edit(tensors)
+        save_file(tensors, dst / "adapter_model.safetensors")
+    return dst
+
+
+def _pickle_only(dst):
+    (dst / "adapter_model.safetensors").rename(dst / "adapter_model.bin")
+
+
+def _corrupt(dst):
+    (dst / "adapter_model.safetensors").write_bytes(b"\x00" * 7)
+
+
+def _truncate(dst):
+    data = (dst / "adapter_model.safetensors").read_bytes()
+    (dst / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _grow_rank(t):
+    for k in list(t):
+        t[k] = torch.cat([t[k]] * 5, dim=0 if "lora_A" in k else 1)
+
+
+def _wrong_shape(t):
+    key = next(k for k in t if "lora_A" in k)
+    t[key] = t[key][:, :-1].contiguous()
+
+
+REFUSALS = {
+    "dora": (dict(config_edit=lambda c: c.update(use_dora=True)), "DoRA"),
+    "embed-target": (dict(config_edit=lambda c: c.update(target_modules=["q_proj", "embed_tokens"])), "embed_tokens"),
+    "lm-head-target": (dict(config_edit=lambda c: c.update(target_modules=["lm_head"])), "lm_head"),
+    "modules-to-save": (dict(config_edit=lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
+    "rank-too-large": (dict(tensors_edit=_grow_rank, config_edit=lambda c: c.update(r=20)), "max_lora_rank"),
+    "wrong-shape": (dict(tensors_edit=_wrong_shape), "do not fit the base model"),
+    "pickle": (dict(after=_pickle_only), "pickle"),
+    "corrupt": (dict(after=_corrupt), "safetensors"),
+    "truncated": (dict(after=_truncate), "safetensors"),
+    "missing-config": (dict(after=lambda d: (d / "adapter_config.json").unlink()), "adapter_config.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_bad_adapters_are_refused_and_leave_engine_untouched(models, adapters, tmp_path, case):
+    engine = build_engine(models["llama"], {"qv8": adapters["llama"]["qv8"]}, compile=False)
+    before_out = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, ignore_eos=True), adapters=["qv8"])
+    before_list = engine.adapters.list()
+    kwargs, expected = REFUSALS[case]
+    after = kwargs.pop("after", None)
+    bad = _variant(adapters["llama"]["all4"], tmp_path / case, **kwargs)
+    if after:
+        after(bad)
+    with pytest.raises(AdapterError, match=expected):
+        engine.adapters.register("bad", str(bad))
+    assert "bad" not in engine.adapters
+    assert engine.adapters.list() == before_list
+    assert engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, ignore_eos=True), adapters=["qv8"]) == before_out
+
+
+def test_adapter_roots_confine_paths(models, adapters, tmp_path):
+    engine = build_engine(models["llama"], compile=False, adapter_roots=(str(adapters["llama"]["qv8"].parent),))
+    engine.adapters.register("ok", str(adapters["llama"]["qv8"]))
+    outside = shutil.copytree(adapters["llama"]["qv8"], tmp_path / "outside")
+    with pytest.raises(AdapterError, match="outside the allowed adapter roots"):
+        engine.adapters.register("escape", str(outside))
+    link = adapters["llama"]["qv8"].parent / "link-out"
+    link.symlink_to(outside)
+    try:
+        with pytest.raises(AdapterError, match="outside the allowed adapter roots"):
+            engine.adapters.register("symlink", str(link))
+        with pytest.raises(AdapterError, match="outside the allowed adapter roots"):
+            engine.adapters.register("dotdot", str(adapters["llama"]["qv8"] / ".." / ".." / ".." / outside.name))
+    finally:
+        link.unlink()
+
+
+# --- device slots --------------------------------------------------------------------------------------
+
+def test_slots_pin_running_adapters_and_evict_lru(models, adapters):
+    engine = build_engine(models["llama"], adapters["llama"], compile=False, max_loras_per_batch=2)
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = {n: engine.generate([PROMPTS[1]], sp, adapters=[n])[0] for n in ADAPTER_SPECS}
+    a, b, c = (Sequence(i, PROMPTS[1], sp, n) for i, n in enumerate(ADAPTER_SPECS))
+    assert engine.try_admit(a) and engine.try_admit(b)
+    assert not engine.try_admit(c), "both slots are pinned by running sequences: the third adapter must wait"
+    assert c.kv_slot is None and engine.num_free_kv_slots == engine.config.max_batch_size - 2
+    with pytest.raises(AdapterInUseError):
+        engine.adapters.unregister(a.adapter)
+    engine.step([a, b])
+    engine.release(a)
+    assert engine.try_admit(c)  # evicts a's adapter (unpinned, least recently used)
+    slots = {i.name: i.device_slot for i in engine.adapters.list()}
+    assert slots[a.adapter] is None and slots[c.adapter] is not None
+    running = [b, c]
+    while running:
+        engine.step(running)
+        for s in [s for s in running if s.is_finished]:
+            engine.release(s)
+            running.remove(s)
+    assert b.output_ids == alone[b.adapter] and c.output_ids == alone[c.adapter]
+    # a's adapter comes back from the host cache and still gives its own tokens
+    assert engine.generate([PROMPTS[1]], sp, adapters=[a.adapter])[0] == alone[a.adapter]
+    with pytest.raises(AdapterNotFoundError):
+        engine.try_admit(Sequence(9, PROMPTS[1], sp, "nope"))
+    assert engine.num_free_kv_slots == engine.config.max_batch_size and engine.adapters.num_free_slots == 2
