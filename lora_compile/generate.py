@@ -1,0 +1,65 @@
+"""`lora-generate`: stream an offline generation to the terminal, on the demo model unless --model is given."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .config import EngineConfig
+from .demo import write_demo_adapters, write_demo_checkpoint
+from .engine import Engine
+from .sampling import SamplingParams
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lora-generate", description=__doc__)
+    p.add_argument("prompt", help="text to continue")
+    p.add_argument("--model", help="Hugging Face model directory (default: the embedded demo model)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="register a PEFT adapter")
+    p.add_argument("--use", metavar="NAME", help="adapter to generate with (default: the base model)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--no-compile", action="store_true", help="run eagerly (no warm-up compile)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    adapters = dict(a.split("=", 1) for a in args.adapter)
+    if args.model is None:
+        model = write_demo_checkpoint()
+        adapters = {**{k: str(v) for k, v in write_demo_adapters().items()}, **adapters}
+    else:
+        model = args.model
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(model), max_batch_size=1, max_seq_len=1024, device=args.device,
+                                 dtype=args.dtype, compile=not args.no_compile))
+    for name, path in adapters.items():
+        engine.adapters.register(name, path)
+    print(f"[loaded {model} in {time.perf_counter() - t0:.1f}s; compiling...]", file=sys.stderr, flush=True)
+    print(f"[ready after {engine.warmup():.1f}s warm-up]", file=sys.stderr, flush=True)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              max_new_tokens=args.max_new_tokens)
+    tokens: list[int] = []
+    printed = ""
+
+    def on_token(_seq_id: int, token: int) -> None:
+        nonlocal printed
+        tokens.append(token)
+        text = engine.tokenizer.decode(tokens)
+        if not text.endswith("\ufffd"):  # hold back a half-decoded multi-byte character
+            print(text[len(printed):], end="", flush=True)
+            printed = text
+
+    engine.generate([args.prompt], sampling, adapters=[args.use], on_token=on_token)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
