@@ -188,6 +188,24 @@ def write_demo_tokenizer(out_dir: Path) -> int:
 # --------------------------------------------------------------------------------------------- model
 
 
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _module_dims(module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a linear layer of a decoder layer of the demo model."""
+    kv = KV_HEADS * HEAD_DIM
+    return {
+        "q_proj": (HIDDEN, HEADS * HEAD_DIM), "k_proj": (HIDDEN, kv), "v_proj": (HIDDEN, kv),
+        "o_proj": (HEADS * HEAD_DIM, HIDDEN), "gate_proj": (HIDDEN, INTERMEDIATE),
+        "up_proj": (HIDDEN, INTERMEDIATE), "down_proj": (INTERMEDIATE, HIDDEN),
+    }[module]
+
+
+def _group(module: str) -> str:
+    return "self_attn" if module in _ATTN else "mlp"
+
+
 def _model_config(vocab_size: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -216,21 +234,13 @@ def _model_config(vocab_size: int) -> dict:
 
 
 def _model_shapes(vocab_size: int) -> dict[str, tuple[int, ...]]:
-    kv = KV_HEADS * HEAD_DIM
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, HIDDEN)}
     for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (HIDDEN,),
-            p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.k_proj.weight": (kv, HIDDEN),
-            p + "self_attn.v_proj.weight": (kv, HIDDEN),
-            p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
-            p + "post_attention_layernorm.weight": (HIDDEN,),
-            p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-            p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-            p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
-        }
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (HIDDEN,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (HIDDEN,)
+        for module in _ATTN + _MLP:
+            fan_in, fan_out = _module_dims(module)
+            shapes[f"model.layers.{i}.{_group(module)}.{module}.weight"] = (fan_out, fan_in)
     shapes |= {"model.norm.weight": (HIDDEN,), "lm_head.weight": (vocab_size, HIDDEN)}
     return shapes
 
@@ -290,8 +300,6 @@ class DemoAdapter:
         return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
 
 
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
 DEMO_ADAPTERS = (
     DemoAdapter("pirate", r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), use_rslora=False, seed=11, strength=1.0),
     DemoAdapter("poet", r=16, lora_alpha=32, target_modules=_ATTN + _MLP, use_rslora=False, seed=22, strength=0.5),
@@ -299,25 +307,13 @@ DEMO_ADAPTERS = (
 )
 
 
-def _module_dims(module: str) -> tuple[int, int]:
-    """(in_features, out_features) of a target module of the demo model."""
-    kv = KV_HEADS * HEAD_DIM
-    return {
-        "q_proj": (HIDDEN, HEADS * HEAD_DIM), "k_proj": (HIDDEN, kv), "v_proj": (HIDDEN, kv),
-        "o_proj": (HEADS * HEAD_DIM, HIDDEN), "gate_proj": (HIDDEN, INTERMEDIATE),
-        "up_proj": (HIDDEN, INTERMEDIATE), "down_proj": (INTERMEDIATE, HIDDEN),
-    }[module]
-
-
 def _adapter_config(spec: DemoAdapter, base_model: Path) -> dict:
-    """adapter_config.json with the keys peft's LoraConfig.save_pretrained writes (peft 0.13 - 0.21)."""
+    """adapter_config.json as peft's save_pretrained writes it, limited to the keys every peft >= 0.13 knows."""
     return {
         "alpha_pattern": {},
         "auto_mapping": None,
         "base_model_name_or_path": str(base_model),
         "bias": "none",
-        "eva_config": None,
-        "exclude_modules": None,
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
@@ -326,7 +322,6 @@ def _adapter_config(spec: DemoAdapter, base_model: Path) -> dict:
         "layers_to_transform": None,
         "loftq_config": {},
         "lora_alpha": spec.lora_alpha,
-        "lora_bias": False,
         "lora_dropout": 0.0,
         "megatron_config": None,
         "megatron_core": "megatron.core",
@@ -352,8 +347,7 @@ def _adapter_weights(spec: DemoAdapter) -> dict[str, torch.Tensor]:
     weights = {}
     for i in range(LAYERS):
         for module in spec.target_modules:
-            group = "self_attn" if module in _ATTN else "mlp"
-            key = f"base_model.model.model.layers.{i}.{group}.{module}"
+            key = f"base_model.model.model.layers.{i}.{_group(module)}.{module}"
             fan_in, fan_out = _module_dims(module)
             weights[f"{key}.lora_A.weight"] = torch.randn(spec.r, fan_in, generator=gen) / fan_in**0.5
             weights[f"{key}.lora_B.weight"] = torch.randn(fan_out, spec.r, generator=gen) * b_std

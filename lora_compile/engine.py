@@ -71,11 +71,11 @@ class Engine:
             tuple(config.adapter_roots),
         )
         max_tokens = config.max_num_batched_tokens + 1
-        self._arange = torch.arange(max(config.max_seq_len, max_tokens, config.max_loras_per_batch + 2),
+        self._arange = torch.arange(max(config.max_seq_len, max_tokens, config.max_loras_per_batch),
                                     device=self.device)
         # One metadata buffer per step; on CUDA filled from a pinned host copy with one non-blocking copy.
         rows = config.max_batch_size + 2
-        capacity = (5 + config.max_loras_per_batch + 2) * max_tokens + 4 * rows + 2 * rows * max_tokens + 64
+        capacity = (5 + config.max_loras_per_batch) * max_tokens + 4 * rows + 2 * rows * max_tokens + 64
         self._meta_host = torch.zeros(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._meta_dev = self._meta_host if self.device.type == "cpu" else torch.zeros_like(self._meta_host, device=self.device)
         self._meta_np = self._meta_host.numpy()
@@ -157,11 +157,9 @@ class Engine:
         n_single = len(single)
         n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
         dummy = n_tokens - 1
-        # Adapter slots of this step; n = 1 is padded with the (zero) base slot so graphs only see n = 0 or n >= 2.
-        active = sorted({p.seq.lora_slot for p in (*single, *chunks)} - {0})
-        if len(active) == 1:
-            active.append(0)
-        column = {slot: j for j, slot in enumerate(active)}
+        # Layers read LoRA slots 1..m, m the highest slot in the step; token t's own slot is column slot - 1.
+        lora_slots = {p.seq.lora_slot for p in (*single, *chunks)}
+        m = max(lora_slots)
 
         input_ids, positions, slot_mapping, lora_col = [], [], [], []
         for p in (*single, *chunks):
@@ -169,7 +167,7 @@ class Engine:
             input_ids += p.seq.tokens(p.start, p.start + p.length)
             positions += range(p.start, p.start + p.length)
             slot_mapping += range(kv + p.start, kv + p.start + p.length)
-            lora_col += [column.get(p.seq.lora_slot, -1) if p.seq.lora_slot else -1] * p.length
+            lora_col += [p.seq.lora_slot - 1] * p.length
         input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(-1)
 
         dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
@@ -192,7 +190,7 @@ class Engine:
                 pre_pos += [0] * width
                 pre_kv.append(self._scratch_slot)
         out_idx.append(0)
-        mask = [1 if c == j else 0 for c in lora_col for j in range(len(active))]
+        mask = [1 if c == j else 0 for c in lora_col for j in range(m)]
         logits_idx, sampled = [], []
         flat = 0
         for p in (*single, *chunks):
@@ -202,7 +200,7 @@ class Engine:
                 sampled.append(p.seq)
 
         fields = [input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos, pre_kv,
-                  out_idx, active, mask, logits_idx]
+                  out_idx, mask, logits_idx]
         sizes = [len(f) for f in fields]
         total = sum(sizes)
         if total > self._meta_np.shape[0]:
@@ -219,7 +217,7 @@ class Engine:
             views.append(buf[start:start + size])
             start += size
         (v_ids, v_pos, v_slot_mapping, v_dec_idx, v_dec_pos, v_dec_kv, v_pre_idx, v_pre_pos, v_pre_kv,
-         v_out_idx, v_active, v_mask, v_logits_idx) = views
+         v_out_idx, v_mask, v_logits_idx) = views
         attn = AttentionMetadata(
             slot_mapping=v_slot_mapping,
             decode_token_idx=v_dec_idx, decode_q_pos=v_dec_pos, decode_kv_slots=v_dec_kv,
@@ -228,9 +226,9 @@ class Engine:
             prefill_kv_slots=v_pre_kv, prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],
             out_idx=v_out_idx,
         )
-        lora = LoRABatch(active_slots=v_active, token_mask=v_mask.view(n_tokens, len(active)))
+        lora = LoRABatch(token_mask=v_mask.view(n_tokens, m))
         fb = ForwardBatch(cos=self.rope_cos[v_pos], sin=self.rope_sin[v_pos], attn=attn, lora=lora)
-        return v_ids, fb, v_logits_idx, sampled, len(active) - (0 in active)
+        return v_ids, fb, v_logits_idx, sampled, len(lora_slots - {0})
 
     @torch.inference_mode()
     def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
@@ -281,13 +279,14 @@ class Engine:
         if self._compiled and not self._warmed_up:
             max_tokens = self.config.max_num_batched_tokens
             lengths = [1, 1, 1, min(5, max_tokens // 4), min(7, max_tokens // 3)]
-            lora_slots = [1, min(2, self.config.max_loras_per_batch), 1, 0, 1]
-            for use_lora in (False, True):
+            # Graph variants by highest LoRA slot m: 0 (base only), 1, and >= 2 (the slots hold zeros or
+            # registered adapters; these throwaway sequences write only to the scratch KV slot).
+            for m in sorted({0, 1, min(3, self.config.max_loras_per_batch)}):
                 seqs = []
                 for i, n in enumerate(lengths):
                     seq = Sequence(-1 - i, list(range(1, n + 1)), SamplingParams(max_new_tokens=1))
                     seq.kv_slot = self._scratch_slot
-                    seq.lora_slot = lora_slots[i] if use_lora else 0
+                    seq.lora_slot = [m, 0, min(m, 1), 0, m][i]
                     seqs.append(seq)
                 self.step(seqs)
         self._warmed_up = True

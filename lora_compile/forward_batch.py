@@ -27,8 +27,9 @@ class AttentionMetadata:
 
 @dataclass
 class LoRABatch:
-    active_slots: torch.Tensor  # (n,) device slots used by this step (n = 0: base model only)
-    token_mask: torch.Tensor    # (T, n) 1.0 where token t uses active_slots[j]
+    # (T, m): 1 where token t uses device slot j + 1. m is the highest slot in the step (0: base model only),
+    # so layers read slots 1..m as views of their stacked weights, with no gather.
+    token_mask: torch.Tensor
 
 
 @dataclass

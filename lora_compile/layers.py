@@ -63,9 +63,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LoRALinear(nn.Module):
     """A linear layer (optionally several fused ones: qkv, gate_up) plus stacked LoRA slots.
 
-    `lora_a[s]` holds slot s's A matrices stacked per output slice (rank zero-padded to max_rank);
-    `lora_b[s]` holds B transposed, scaling folded in. Slot 0 is the base model and stays zero.
-    Everything constant is a buffer created here, so nothing is rebuilt per batch.
+    Rows of `weight_ext` are the base weight followed by every slot's A (slot s at s-1; the base model,
+    slot 0, has no storage): one GEMM over its first `out + m·c·r` rows gives the base output and the LoRA
+    shrink of slots 1..m at once, with no copy. `lora_b[s-1]` is slot s's B transposed, scaling folded in.
+    Ranks below max_rank are zero-padded. Everything constant is a buffer created here: nothing is rebuilt
+    per batch.
     """
 
     def __init__(
@@ -80,10 +82,17 @@ class LoRALinear(nn.Module):
     ):
         super().__init__()
         out_features = sum(output_sizes)
-        self.in_features = in_features
+        self.in_features, self.out_features = in_features, out_features
         self.output_sizes = tuple(output_sizes)
         self.max_rank = max_rank
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.slot_rows = len(output_sizes) * max_rank  # rows of A per slot
+        self.register_buffer(
+            "weight_ext",
+            torch.zeros(out_features + max_loras * self.slot_rows, in_features, dtype=dtype, device=device),
+            persistent=False,
+        )
+        # The checkpoint's weight is a view of the first rows: loading writes straight into weight_ext.
+        self.weight = nn.Parameter(self.weight_ext[:out_features], requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -94,51 +103,49 @@ class LoRALinear(nn.Module):
         self.register_buffer("output_offset", torch.tensor(offsets, dtype=torch.int64, device=device), persistent=False)
         # Python copy of the same offsets: slicing by them in the compiled graph keeps the shapes static.
         self._slices = tuple(zip(offsets[:-1], offsets[1:]))
-        n_slots = max_loras + 1
         self.register_buffer(
-            "lora_a", torch.zeros(n_slots, len(output_sizes) * max_rank, in_features, dtype=dtype, device=device),
-            persistent=False,
-        )
-        self.register_buffer(
-            "lora_b", torch.zeros(n_slots, max_rank, out_features, dtype=dtype, device=device), persistent=False
+            "lora_b", torch.zeros(max_loras, max_rank, out_features, dtype=dtype, device=device), persistent=False
         )
 
+    def lora_a(self, slot: int) -> torch.Tensor:
+        """Slot `slot`'s stacked A rows, (c·max_rank, in): a view into weight_ext."""
+        start = self.out_features + (slot - 1) * self.slot_rows
+        return self.weight_ext[start : start + self.slot_rows]
+
     def forward(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        n = lora.active_slots.shape[0]
-        if n == 0:  # base-model-only step: its own graph, with no LoRA work at all
-            return y
-        tokens, r, c = x.shape[0], self.max_rank, len(self.output_sizes)
-        # Shrink with every active slot at once, then keep each token's own slot (mask) and expand.
-        a = self.lora_a.index_select(0, lora.active_slots)  # (n, c*r, in)
-        h = (x @ a.reshape(n * c * r, self.in_features).t()).view(tokens, n, c, r)
-        h = h * lora.token_mask.view(tokens, n, 1, 1)
-        b = self.lora_b.index_select(0, lora.active_slots)  # (n, r, out)
+        m = lora.token_mask.shape[1]
+        if m == 0:  # base-model-only step: its own graph, with no LoRA work at all
+            return F.linear(x, self.weight, self.bias)
+        tokens, r, out = x.shape[0], self.max_rank, self.out_features
+        y = x @ self.weight_ext[: out + m * self.slot_rows].t()  # base output | shrink by slots 1..m
+        base = y[:, :out] if self.bias is None else y[:, :out] + self.bias
+        # Keep each token's own slot (mask), then expand with every slot's B at once.
+        h = y[:, out:].view(tokens, m, len(self.output_sizes), r) * lora.token_mask.view(tokens, m, 1, 1)
+        b = self.lora_b[:m]  # (m, r, out)
         deltas = [
-            h[:, :, i, :].reshape(tokens, n * r) @ b[:, :, start:end].reshape(n * r, end - start)
+            h[:, :, i, :].reshape(tokens, m * r) @ b[:, :, start:end].reshape(m * r, end - start)
             for i, (start, end) in enumerate(self._slices)
         ]
-        return y + (deltas[0] if c == 1 else torch.cat(deltas, dim=-1))
+        return base + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1))
 
     @torch.no_grad()
     def load_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Copy one adapter into `slot` in place (tensor identity never changes, so nothing recompiles).
+        """Copy one adapter into `slot` (>= 1) in place: tensor identity never changes, so nothing recompiles.
 
         parts[i] is (A (r, in), B_scaled (out_i, r)) for output slice i, or None where the adapter lacks it.
         """
-        r_max = self.max_rank
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.clear_slot(slot)
+        a_rows, b = self.lora_a(slot), self.lora_b[slot - 1]
         for i, part in enumerate(parts):
             if part is None:
                 continue
-            a, b = part
-            r = a.shape[0]
+            a_part, b_part = part
+            r = a_part.shape[0]
             start, end = self._slices[i]
-            self.lora_a[slot, i * r_max : i * r_max + r].copy_(a)
-            self.lora_b[slot, :r, start:end].copy_(b.t())
+            a_rows[i * self.max_rank : i * self.max_rank + r].copy_(a_part)
+            b[:r, start:end].copy_(b_part.t())
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.lora_a(slot).zero_()
+        self.lora_b[slot - 1].zero_()

@@ -88,13 +88,21 @@ class LoRAManager:
                 raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
             slot = self._slot_of.get(name)
             if slot is None:
-                slot = next((s for s in self._slot_lru if self._pins[s] == 0), None)
+                slot = self._free_slot()
                 if slot is None:
                     return None
                 self._load_into(slot, self._host_copy(name))
             self._pins[slot] += 1
             self._slot_lru.move_to_end(slot)
             return slot
+
+    def _free_slot(self) -> int | None:
+        """The lowest empty slot (steps read slots 1..highest in use, so low slots keep them cheap),
+        else the least recently used unpinned one."""
+        empty = next((s for s in range(1, self.max_loras + 1) if self._adapter_in[s] is None), None)
+        if empty is not None:
+            return empty
+        return next((s for s in self._slot_lru if self._pins[s] == 0), None)
 
     def release(self, slot: int) -> None:
         if slot == 0:

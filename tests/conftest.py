@@ -26,7 +26,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
-        "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=1),
+        "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=1, tie_word_embeddings=True),
     }
 
 

@@ -1,0 +1,102 @@
+"""Shared benchmark pieces: the SmolLM2-135M-shaped random checkpoint and timing helpers."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from lora_compile import Engine, SamplingParams, Sequence
+from lora_compile.demo import default_cache_dir, write_demo_tokenizer
+
+# SmolLM2-135M's shape (random weights: no hub access here, and speed does not depend on the values).
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True)
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def smollm2_checkpoint(root: Path | None = None) -> Path:
+    out = (root or default_cache_dir() / "bench") / "smollm2-135m-shaped"
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    c = SMOLLM2_135M
+    gen = torch.Generator().manual_seed(0)
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    q = h
+    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
+
+    tensors = {"model.embed_tokens.weight": torch.randn(v, h, generator=gen) * 0.5, "model.norm.weight": torch.ones(h)}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+            p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
+            p + "mlp.down_proj.weight": rand(h, i),
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+        }
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                 "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, **c}))
+    write_demo_tokenizer(out)  # ids stay below the vocabulary; the text is irrelevant here
+    return out
+
+
+def write_lora_adapter(base: Path, out: Path, *, rank: int, seed: int, modules=ALL_MODULES) -> Path:
+    """A PEFT-format adapter with random non-zero A and B, written with safetensors (as peft saves it)."""
+    cfg = json.loads((base / "config.json").read_text())
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for m in modules:
+            kind = "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            n_in, n_out = shapes[m]
+            key = f"base_model.model.model.layers.{layer}.{kind}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * n_in ** -0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.01
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": list(modules), "bias": "none", "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "base_model_name_or_path": str(base)}))
+    return out
+
+
+def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], steps: int = 16,
+                     prompt_len: int = 64) -> tuple[float, float]:
+    """Mean seconds per decode step at `batch` sequences (after prefill), and mean batch-init seconds."""
+    seqs = [Sequence(i, [(7 * i + j) % 500 + 3 for j in range(prompt_len)],
+                     SamplingParams(max_new_tokens=steps + 8, ignore_eos=True), adapters[i % len(adapters)])
+            for i in range(batch)]
+    for s in seqs:
+        assert engine.try_admit(s), "benchmark batch does not fit the engine's limits"
+    try:
+        while any(s.num_computed_tokens < len(s.prompt_ids) for s in seqs):
+            engine.step(seqs)
+        for _ in range(2):
+            engine.step(seqs)
+        init = 0.0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            init += engine.step(seqs).batch_init_s
+        elapsed = time.perf_counter() - t0
+    finally:
+        for s in seqs:
+            engine.release(s)
+    return elapsed / steps, init / steps
+
+
+def fmt_row(cells, widths) -> str:
+    return "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))

@@ -1,0 +1,88 @@
+"""Decode throughput of the engine, compiled vs eager vs transformers, and cold/warm start time.
+
+    python -m benchmarks.engine [--batches 1 8 32] [--steps 16]
+
+Everything is measured side by side in this one run, on a SmolLM2-135M-shaped random checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import decode_step_time, fmt_row, smollm2_checkpoint
+from lora_compile import Engine, EngineConfig
+
+LIMITS = dict(max_batch_size=32, max_seq_len=256, max_num_batched_tokens=512, max_loras_per_batch=8, max_lora_rank=16)
+
+
+def start_only(model: str, cache_dir: str) -> None:
+    engine = Engine(EngineConfig(model=model, inductor_cache_dir=cache_dir, **LIMITS))
+    engine.warmup()
+    print("READY", flush=True)
+
+
+def time_start(model: str, cache_dir: str) -> float:
+    """Seconds from process launch to a warmed-up engine (imports, load, compile or cache hit)."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "benchmarks.engine", "--start-only", "--model", model, "--cache", cache_dir],
+                   check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def transformers_step_time(model_dir, batch: int, steps: int, prompt_len: int = 64) -> float:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[(7 * i + j) % 500 + 3 for j in range(prompt_len)] for i in range(batch)])
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
+
+    run(4)
+    short, long = 4, 4 + steps
+    return (run(long) - run(short)) / steps  # prefill and set-up cancel out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--cache", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.start_only:
+        return start_only(args.model, args.cache)
+
+    model = str(smollm2_checkpoint())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, checkpoint {model}")
+    with tempfile.TemporaryDirectory() as cache:
+        cold = time_start(model, cache)
+        warm = time_start(model, cache)
+    print(f"start to ready (load + warm-up), fresh process: cold cache {cold:.1f}s, warm cache {warm:.1f}s")
+
+    compiled = Engine(EngineConfig(model=model, **LIMITS))
+    compiled.warmup()
+    eager = Engine(EngineConfig(model=model, compile=False, **LIMITS))
+    widths = (6, 14, 14, 14, 10, 10)
+    print(fmt_row(("batch", "compiled tok/s", "eager tok/s", "hf tok/s", "c/eager", "c/hf"), widths))
+    for b in args.batches:
+        tc, _ = decode_step_time(compiled, b, [None], args.steps)
+        te, _ = decode_step_time(eager, b, [None], args.steps)
+        th = transformers_step_time(model, b, args.steps)
+        print(fmt_row((b, f"{b / tc:.1f}", f"{b / te:.1f}", f"{b / th:.1f}", f"{te / tc:.2f}x", f"{th / tc:.2f}x"), widths),
+              flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

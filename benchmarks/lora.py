@@ -1,0 +1,76 @@
+"""Multi-LoRA decode throughput: base vs one adapter vs 8 distinct adapters vs peft's mixed-adapter generate,
+and batch-init time as a share of the step.
+
+    python -m benchmarks.lora [--batches 8 32] [--steps 16]
+
+Rank-16 adapters on all seven projections of a SmolLM2-135M-shaped random checkpoint, side by side in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import decode_step_time, fmt_row, smollm2_checkpoint, write_lora_adapter
+from lora_compile import Engine, EngineConfig
+
+N_ADAPTERS = 8
+RANK = 16
+
+
+@torch.inference_mode()
+def peft_step_time(model_dir: Path, adapter_dirs: list[Path], batch: int, steps: int, prompt_len: int = 64) -> float:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dirs[0], adapter_name="a0")
+    for i, d in enumerate(adapter_dirs[1:], start=1):
+        model.load_adapter(d, adapter_name=f"a{i}")
+    model.eval()
+    ids = torch.tensor([[(7 * i + j) % 500 + 3 for j in range(prompt_len)] for i in range(batch)])
+    names = [f"a{i % len(adapter_dirs)}" for i in range(batch)]
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0, adapter_names=names)
+        return time.perf_counter() - t0
+
+    run(4)
+    return (run(4 + steps) - run(4)) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--no-peft", action="store_true")
+    args = p.parse_args()
+    model = smollm2_checkpoint()
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [write_lora_adapter(model, Path(tmp) / f"a{i}", rank=RANK, seed=i) for i in range(N_ADAPTERS)]
+        engine = Engine(EngineConfig(model=str(model), max_batch_size=max(args.batches), max_seq_len=256,
+                                     max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=RANK))
+        for i, d in enumerate(dirs):
+            engine.adapters.register(f"a{i}", str(d))
+        engine.warmup()
+        names = [f"a{i}" for i in range(N_ADAPTERS)]
+        widths = (6, 11, 15, 17, 12, 10, 10, 12, 14)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; rank {RANK}, all 7 modules, decode tok/s")
+        print(fmt_row(("batch", "base", "one adapter", f"{N_ADAPTERS} adapters", "peft mixed", "one/base",
+                       "8/base", "ours/peft", "batch init"), widths))
+        for b in args.batches:
+            t_base, _ = decode_step_time(engine, b, [None], args.steps)
+            t_one, _ = decode_step_time(engine, b, names[:1], args.steps)
+            t_mix, t_init = decode_step_time(engine, b, names, args.steps)
+            t_peft = float("nan") if args.no_peft else peft_step_time(model, dirs, b, args.steps)
+            print(fmt_row((b, f"{b / t_base:.1f}", f"{b / t_one:.1f}", f"{b / t_mix:.1f}", f"{b / t_peft:.1f}",
+                           f"{t_base / t_one:.2f}x", f"{t_base / t_mix:.2f}x", f"{t_peft / t_mix:.2f}x",
+                           f"{100 * t_init / t_mix:.2f}% of step"), widths), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Tiny deterministic checkpoints and adapters for tests, and transformers/peft as the reference.
+
+Only tests import this module: it needs transformers and peft, which the runtime does not.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+
+from lora_compile.demo import BOS_ID, EOS_ID, VOCAB_SIZE, write_demo_tokenizer
+
+_CONFIGS: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_HIDDEN = 64
+SHARD_SIZE = "200KB"  # a 2-layer tiny model is ~0.6 MB: this gives several shards
+
+
+def _tiny_config(arch: str, *, tie_word_embeddings: bool, dtype: str, rope_scaling: dict | None,
+                 num_layers: int) -> PretrainedConfig:
+    if arch not in _CONFIGS:
+        raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
+    # transformers 5 keeps rope_theta and the scaling together in rope_parameters.
+    rope = {"rope_type": "default", "rope_theta": 10000.0} | (rope_scaling or {})
+    return _CONFIGS[arch](
+        vocab_size=VOCAB_SIZE,  # the demo tokenizer is copied in
+        hidden_size=TINY_HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        dtype=dtype,
+    )
+
+
+def _init_std(name: str, param: torch.Tensor) -> float:
+    """Scales found by a small sweep so greedy decoding wanders instead of repeating a token, as it does
+    with transformers' init (std 0.02) at this size: sharper attention (q, k) and a strong MLP make the
+    residual depend on the context; small embeddings keep a tied lm_head from echoing the input token."""
+    if name.endswith(".bias"):
+        return 0.1  # Qwen2's qkv bias; larger v biases push every position towards the same tokens
+    if "embed_tokens" in name:
+        return 0.3
+    if name.startswith("lm_head"):
+        return 0.4
+    gain = 2.0 if any(m in name for m in ("q_proj", "k_proj", "mlp.")) else 1.0
+    return gain * param.shape[1] ** -0.5
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():  # tied lm_head is not listed again: it is embed_tokens
+        noise = torch.randn(param.shape, generator=gen)
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * noise)  # not all ones, so a norm that is not loaded shows up
+        else:
+            param.copy_(noise * _init_std(name, param))
+
+
+def make_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", *, seed: int = 0,
+                    tie_word_embeddings: bool = False, dtype: str = "float32", rope_scaling: dict | None = None,
+                    num_layers: int = 2, sharded: bool = False) -> Path:
+    """A tiny random `arch` checkpoint (safetensors, optionally sharded) with the demo tokenizer."""
+    config = _tiny_config(arch, tie_word_embeddings=tie_word_embeddings, dtype=dtype,
+                          rope_scaling=rope_scaling, num_layers=num_layers)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_weights(model, seed)
+    model.to(_DTYPES[dtype])
+    out = Path(out_dir)
+    # transformers 5 always writes safetensors (save_pretrained has no safe_serialization any more).
+    model.save_pretrained(out, max_shard_size=SHARD_SIZE if sharded else "1GB")
+    write_demo_tokenizer(out)
+    return out
+
+
+def _lora_scaling(r: int, lora_alpha: float, use_rslora: bool) -> float:
+    return lora_alpha / (r**0.5 if use_rslora else r)
+
+
+def make_peft_adapter(base_dir: str | os.PathLike, out_dir: str | os.PathLike, *, r: int = 8, lora_alpha: int = 16,
+                      target_modules: Sequence[str] = ("q_proj", "v_proj"), use_rslora: bool = False, seed: int = 1,
+                      scale: float = 0.5) -> Path:
+    """A PEFT LoRA adapter for `base_dir`, saved by peft itself.
+
+    `scale` is the size of the LoRA update relative to the base layer's output (for unit-RMS inputs),
+    whatever r and alpha are: A ~ N(0, 1/in), B ~ N(0, scale² / (r · scaling²)).
+    """
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), use_rslora=use_rslora,
+                        init_lora_weights=False, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    b_std = scale / (r**0.5 * _lora_scaling(r, lora_alpha, use_rslora))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_A." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[1] ** -0.5)
+            elif ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * b_std)
+    out = Path(out_dir)
+    peft_model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def load_reference(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None = None) -> torch.nn.Module:
+    """transformers (+ peft) in float32 with eager attention: the numerics the engine is compared with."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_greedy(model_dir: str | os.PathLike, prompt_ids: Sequence[int], max_new_tokens: int,
+                     adapter_dir: str | os.PathLike | None = None) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens (exactly max_new_tokens: EOS does not stop) and the raw logits of each step, (steps, vocab)."""
+    model = load_reference(model_dir, adapter_dir)
+    ids = torch.tensor([list(prompt_ids)])
+    # eos_token_id=None must be a keyword: a GenerationConfig(eos_token_id=None) is merged with the model's
+    # generation_config.json and still stops at EOS. min_new_tokens would instead mask EOS in the scores.
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    assert len(tokens) == max_new_tokens, f"generate stopped early: {len(tokens)} of {max_new_tokens} tokens"
+    return tokens, torch.cat(out.logits, dim=0).float()
