@@ -49,7 +49,7 @@ def mark_token_dim(hidden: torch.Tensor) -> None:
     torch._dynamo.mark_dynamic(hidden, 0)
 
 
-def mark_dynamic(fb: ForwardBatch) -> None:
+def mark_dynamic(fb: ForwardBatch, max_loras: int) -> None:
     """Mark every step-varying dim dynamic (all are >= 2 by construction, except the LoRA slot count m in {0, 1})."""
     md = fb.attn
     tensors = [
@@ -58,7 +58,9 @@ def mark_dynamic(fb: ForwardBatch) -> None:
         (md.prefill_token_idx, (0, 1)), (md.prefill_q_pos, (0, 1)), (md.prefill_kv_slots, (0,)),
         (md.prefill_key_pos, (0,)), (md.out_idx, (0,)), (fb.lora.token_mask, (0,)),
     ]
-    if fb.lora.token_mask.shape[1] >= 2:
+    # m is bounded by max_loras (slicing the slot stacks guards m <= max_loras): with max_loras == 2 the
+    # range [2, 2] is a constant, so m = 2 is then a static variant of its own.
+    if fb.lora.token_mask.shape[1] >= 2 and max_loras > 2:
         tensors.append((fb.lora.token_mask, (1,)))
     for tensor, dims in tensors:
         for d in dims:

@@ -237,7 +237,7 @@ class Engine:
         single, chunks = self._plan(seqs)
         input_ids, fb, logits_idx, sampled, n_adapters = self._build_batch(single, chunks)
         if self._compiled:
-            compile_policy.mark_dynamic(fb)
+            compile_policy.mark_dynamic(fb, self.config.max_loras_per_batch)
         t1 = time.perf_counter()
         with compile_policy.steady_state(self._compiled and self._warmed_up):
             logits = self.model(input_ids, fb, logits_idx)

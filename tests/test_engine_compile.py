@@ -92,3 +92,15 @@ def test_inductor_cache_directory_is_used(compiled_engines):
     compiled_engines("llama")
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == INDUCTOR_CACHE
     assert any(os.scandir(INDUCTOR_CACHE))
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_small_slot_counts_warm_up_and_never_recompile(models, adapters, max_loras):
+    """With 1 or 2 slots every slot count m is its own static graph; all are compiled in warm-up."""
+    from tests.conftest import build_engine
+    names = list(adapters["llama"])[:max_loras]
+    engine = build_engine(models["llama"], {n: adapters["llama"][n] for n in names}, compile=True,
+                          max_loras_per_batch=max_loras)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for mix in ([None], names[:1], names, [None, *names]):
+        engine.generate([[5, 6, 7]] * len(mix), sp, adapters=mix)  # raises on a recompile

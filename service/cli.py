@@ -1,0 +1,200 @@
+"""Console scripts: `lora-serve` (serve_main) and `lora-client` (client_main)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+import time
+
+log = logging.getLogger("lora-serve")
+
+
+# --- lora-serve -------------------------------------------------------------------------------------
+def _adapter_arg(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
+    return name, path
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from lora_compile import EngineConfig
+
+    from .server import ServerConfig
+
+    engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)
+                       if f.default is not dataclasses.MISSING}
+    server_defaults = ServerConfig()
+    p = argparse.ArgumentParser(
+        prog="lora-serve",
+        description="Serve one base model and many LoRA adapters over gRPC. "
+                    "With no --model, serves the embedded demo model and its demo adapters.")
+    p.add_argument("--model", help="Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--adapter", action="append", default=[], type=_adapter_arg, metavar="NAME=DIR",
+                   help="register a PEFT adapter at start (repeatable)")
+    p.add_argument("--host", default=server_defaults.host,
+                   help="address to bind (default: %(default)s; 0.0.0.0 for remote clients)")
+    p.add_argument("--port", type=int, default=server_defaults.port, help="default: %(default)s; 0: any free port")
+    p.add_argument("--max-batch-size", type=int, default=engine_defaults["max_batch_size"],
+                   help="requests running at once (KV slots) (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=engine_defaults["max_seq_len"],
+                   help="prompt + new tokens per request (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=engine_defaults["max_num_batched_tokens"],
+                   help="tokens per engine step, prefill chunks included (default: %(default)s)")
+    p.add_argument("--max-loras-per-batch", type=int, default=engine_defaults["max_loras_per_batch"],
+                   help="adapters resident on the device at once (default: %(default)s)")
+    p.add_argument("--max-lora-rank", type=int, default=engine_defaults["max_lora_rank"],
+                   help="default: %(default)s")
+    p.add_argument("--dtype", default=engine_defaults["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=engine_defaults["device"], help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--no-compile", action="store_true", help="run eagerly (no torch.compile): fast start, slower steps")
+    p.add_argument("--max-queue", type=int, default=server_defaults.max_queue,
+                   help="requests that may wait beyond a full batch before RESOURCE_EXHAUSTED "
+                        "(default: %(default)s)")
+    p.add_argument("--grace-period", type=float, default=server_defaults.grace_period_s,
+                   help="seconds in-flight streams get to finish after SIGTERM (default: %(default)s)")
+    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                   help="LoadAdapter only accepts directories under these roots (repeatable; default: any)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    args = serve_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("lora-serve").setLevel(args.log_level)
+
+    from lora_compile import Engine, EngineConfig
+
+    from .server import ServerConfig, serve
+
+    adapters = dict(args.adapter)
+    model = args.model
+    if model is None:
+        from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
+
+        log.info("no --model: writing the embedded demo model and adapters (first run only)")
+        model = str(write_demo_checkpoint())
+        adapters = {name: str(path) for name, path in write_demo_adapters().items()} | adapters
+    try:
+        engine_config = EngineConfig(
+            model=model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
+            max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
+            adapter_roots=tuple(args.adapter_root),
+        )
+        server_config = ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue,
+                                     grace_period_s=args.grace_period)
+        t0 = time.perf_counter()
+        log.info("loading model from %s", model)
+        engine = Engine(engine_config)
+        log.info("model %s (%s) loaded in %.1fs on %s, %s%s", engine.model_name, engine.model_config.architecture,
+                 time.perf_counter() - t0, engine.device, str(engine.dtype).removeprefix("torch."),
+                 "" if engine_config.compile else " (eager: --no-compile)")
+        for name, path in adapters.items():
+            info = engine.adapters.register(name, path)
+            log.info("registered adapter %s (rank %d) from %s", name, info.rank, info.path)
+    except Exception as e:  # noqa: BLE001 - a bad flag or directory: one line, not a traceback
+        log.error("cannot start: %s: %s", type(e).__name__, e)
+        return 2
+    try:
+        clean = asyncio.run(serve(engine, server_config))
+    except Exception:  # noqa: BLE001 - e.g. warm-up (compilation) failed: say so, exit non-zero
+        log.exception("lora-serve failed")
+        return 3
+    return 0 if clean else 1
+
+
+# --- lora-client ------------------------------------------------------------------------------------
+def client_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lora-client", description="Talk to a lora-serve server.")
+    p.add_argument("--target", default="localhost:50051", help="server address (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+    a = sub.add_parser("adapters", help="list, load or unload adapters")
+    asub = a.add_subparsers(dest="action", required=True)
+    asub.add_parser("list")
+    load = asub.add_parser("load")
+    load.add_argument("name")
+    load.add_argument("path", help="PEFT adapter directory, on the server's filesystem")
+    unload = asub.add_parser("unload")
+    unload.add_argument("name")
+
+    sub.add_parser("info", help="the served model and its limits")
+    t = sub.add_parser("tokenize", help="token ids of a text")
+    t.add_argument("text")
+    sub.add_parser("health", help="grpc.health.v1 status")
+    return p
+
+
+def client_main(argv: list[str] | None = None) -> int:
+    from .client import LoraServeClient, LoraServeError
+
+    args = client_parser().parse_args(argv)
+    with LoraServeClient(args.target, timeout=args.timeout) as client:
+        try:
+            return _run_client_command(client, args)
+        except LoraServeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            for v in e.field_violations:
+                print(f"  {v.field}: {v.description}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+
+def _run_client_command(client, args) -> int:
+    if args.command == "generate":
+        last = None
+        for chunk in client.generate(
+            args.prompt, adapter=args.adapter, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, repetition_penalty=args.repetition_penalty,
+            stop=args.stop, ignore_eos=args.ignore_eos,
+        ):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk
+        sys.stdout.write("\n")
+        if last is not None and last.usage is not None:
+            stop = f" ({last.stop!r})" if last.stop is not None else ""
+            print(f"[finish: {last.finish_reason}{stop}; prompt {last.usage.prompt_tokens} tokens, "
+                  f"completion {last.usage.completion_tokens} tokens]", file=sys.stderr)
+    elif args.command == "adapters":
+        if args.action == "list":
+            for a in client.list_adapters():
+                slot = "-" if a.device_slot is None else a.device_slot
+                print(f"{a.name}\trank={a.rank}\talpha={a.alpha:g}\tslot={slot}\tactive={a.active_requests}\t{a.path}")
+        elif args.action == "load":
+            a = client.load_adapter(args.name, args.path)
+            print(f"loaded {a.name} (rank {a.rank}, {', '.join(a.target_modules)}) from {a.path}")
+        else:
+            client.unload_adapter(args.name)
+            print(f"unloaded {args.name}")
+    elif args.command == "info":
+        for key, value in dataclasses.asdict(client.model_info()).items():
+            print(f"{key}: {value}")
+    elif args.command == "tokenize":
+        print(" ".join(map(str, client.tokenize(args.text))))
+    elif args.command == "health":
+        print(client.health())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

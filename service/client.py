@@ -1,0 +1,289 @@
+"""Python SDK for lora-serve: `LoraServeClient` (blocking) and `AsyncLoraServeClient` (asyncio).
+
+    from service.client import LoraServeClient
+    with LoraServeClient("localhost:50051") as client:
+        for chunk in client.generate("Once upon a time", adapter="pirate", max_new_tokens=64):
+            print(chunk.text, end="", flush=True)
+
+Every RPC error is raised as a `LoraServeError` subclass (see client_errors.py).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ._proto import pb, pb_grpc
+from .client_errors import (  # noqa: F401 - re-exported: `from service.client import NotFoundError`
+    CancelledError, DeadlineExceededError, FailedPreconditionError, FieldViolation, InternalError,
+    InvalidArgumentError, LoraServeError, NotFoundError, ResourceExhaustedError, UnavailableError, from_rpc_error,
+)
+
+_FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
+                   pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_CANCELLED: "cancelled"}
+
+
+# --- results ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed message. finish_reason ("length", "stop", "eos", "cancelled") is set on the last."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop: str | None = None           # the stop string that ended generation
+    stop_token_id: int | None = None  # the stop token that ended generation
+    usage: Usage | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation (`complete()`): the chunks joined."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    logprobs: list[float] = field(default_factory=list)
+    stop: str | None = None
+    stop_token_id: int | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    device_slot: int | None
+    active_requests: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    architecture: str
+    vocab_size: int
+    max_seq_len: int
+    max_batch_size: int
+    max_loras_per_batch: int
+    max_lora_rank: int
+    dtype: str
+    device: str
+    compiled: bool
+    eos_token_ids: tuple[int, ...]
+    max_queue: int
+
+
+# --- proto conversions (shared by both clients) -----------------------------------------------------
+def build_generate_request(
+    prompt: str | Sequence[int], *, adapter: str | None = None, max_new_tokens: int | None = None,
+    temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+    seed: int | None = None, repetition_penalty: float | None = None, stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
+    top_logprobs: int = 0, request_id: str = "",
+) -> pb.GenerateRequest:
+    """None leaves a field unset (server default); text prompts are tokenized by the server."""
+    req = pb.GenerateRequest(request_id=request_id, adapter=adapter or "")
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("repetition_penalty", repetition_penalty)):
+        if value is not None:
+            setattr(req.sampling, name, value)
+    if max_new_tokens is not None:
+        req.stopping.max_new_tokens = max_new_tokens
+    req.stopping.stop.extend(stop)
+    req.stopping.stop_token_ids.extend(stop_token_ids)
+    req.stopping.ignore_eos = ignore_eos
+    req.response.logprobs = logprobs
+    req.response.top_logprobs = top_logprobs
+    return req
+
+
+def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
+    finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    return GenerateChunk(
+        text=msg.text, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs),
+        top_logprobs=[list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs],
+        finish_reason=_FINISH_REASONS.get(msg.finish_reason) if finished else None,
+        stop=msg.stop if msg.HasField("stop") else None,
+        stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if finished else None,
+        request_id=msg.request_id,
+    )
+
+
+def join_chunks(chunks: list[GenerateChunk]) -> Completion:
+    last = chunks[-1]
+    return Completion(
+        text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason or "", usage=last.usage or Usage(0, 0),
+        logprobs=[p for c in chunks for p in c.logprobs], stop=last.stop, stop_token_id=last.stop_token_id,
+        request_id=last.request_id,
+    )
+
+
+def _adapter_info(msg: pb.AdapterInfo) -> AdapterInfo:
+    return AdapterInfo(msg.name, msg.path, msg.rank, msg.alpha, tuple(msg.target_modules),
+                       msg.device_slot if msg.HasField("device_slot") else None, msg.active_requests)
+
+
+def _model_info(msg: pb.ModelInfoResponse) -> ModelInfo:
+    return ModelInfo(msg.model, msg.architecture, msg.vocab_size, msg.max_seq_len, msg.max_batch_size,
+                     msg.max_loras_per_batch, msg.max_lora_rank, msg.dtype, msg.device, msg.compiled,
+                     tuple(msg.eos_token_ids), msg.max_queue)
+
+
+_HEALTH_NAMES = {v: k for k, v in health_pb2.HealthCheckResponse.ServingStatus.items()}
+
+
+# --- blocking client --------------------------------------------------------------------------------
+class LoraServeClient:
+    def __init__(self, target: str = "localhost:50051", *, timeout: float | None = None,
+                 channel: grpc.Channel | None = None, options: Sequence[tuple] = ()):
+        """`timeout`: default per-call deadline in seconds (None: none)."""
+        self._channel = channel or grpc.insecure_channel(target, options=list(options))
+        self._generation = pb_grpc.GenerationStub(self._channel)
+        self._adapters = pb_grpc.AdaptersStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout = timeout
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                 **params) -> Iterator[GenerateChunk]:
+        """Stream chunks as the server produces them. Leaving the loop early cancels the request.
+        `params`: see build_generate_request (adapter, max_new_tokens, temperature, stop, ...)."""
+        call = self._generation.Generate(build_generate_request(prompt, **params),
+                                         timeout=self._timeout(timeout))
+        try:
+            for msg in call:
+                yield chunk_from_proto(msg)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op when the stream is done
+
+    def complete(self, prompt: str | Sequence[int], **params) -> Completion:
+        return join_chunks(list(self.generate(prompt, **params)))
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self._unary(self._generation.Tokenize, req).token_ids)
+
+    def model_info(self) -> ModelInfo:
+        return _model_info(self._unary(self._generation.ModelInfo, pb.ModelInfoRequest()))
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return [_adapter_info(a) for a in self._unary(self._adapters.ListAdapters, pb.ListAdaptersRequest()).adapters]
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        resp = self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)))
+        return _adapter_info(resp.adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+
+    def health(self, service: str = "") -> str:
+        """"SERVING", "NOT_SERVING", ... (grpc.health.v1) for the server or one service."""
+        resp = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return _HEALTH_NAMES[resp.status]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> LoraServeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self.timeout
+
+    def _unary(self, method, request, timeout: float | None = None):
+        try:
+            return method(request, timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+
+# --- asyncio client ---------------------------------------------------------------------------------
+class AsyncLoraServeClient:
+    def __init__(self, target: str = "localhost:50051", *, timeout: float | None = None,
+                 channel: grpc.aio.Channel | None = None, options: Sequence[tuple] = ()):
+        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options))
+        self._generation = pb_grpc.GenerationStub(self._channel)
+        self._adapters = pb_grpc.AdaptersStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout = timeout
+
+    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                       **params) -> AsyncIterator[GenerateChunk]:
+        call = self._generation.Generate(build_generate_request(prompt, **params),
+                                         timeout=self._timeout(timeout))
+        try:
+            async for msg in call:
+                yield chunk_from_proto(msg)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str | Sequence[int], **params) -> Completion:
+        return join_chunks([c async for c in self.generate(prompt, **params)])
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self._unary(self._generation.Tokenize, req)).token_ids)
+
+    async def model_info(self) -> ModelInfo:
+        return _model_info(await self._unary(self._generation.ModelInfo, pb.ModelInfoRequest()))
+
+    async def list_adapters(self) -> list[AdapterInfo]:
+        resp = await self._unary(self._adapters.ListAdapters, pb.ListAdaptersRequest())
+        return [_adapter_info(a) for a in resp.adapters]
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        resp = await self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)))
+        return _adapter_info(resp.adapter)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+
+    async def health(self, service: str = "") -> str:
+        resp = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return _HEALTH_NAMES[resp.status]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncLoraServeClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self.timeout
+
+    async def _unary(self, method, request, timeout: float | None = None):
+        try:
+            return await method(request, timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None

@@ -1,0 +1,68 @@
+"""The server interceptor: refuses calls while not serving, and turns every exception into a rich status.
+
+Handlers only raise; this is the single place where exceptions become gRPC statuses (see errors.py).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import grpc
+import grpc.aio
+
+from .errors import ServiceError, Unavailable, to_rpc_status
+
+API_PREFIX = "/loraserve.v1."  # health and reflection stay reachable while warming up or draining
+
+
+class ServingState(enum.Enum):
+    WARMING_UP = "warming up"
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, state: Callable[[], ServingState]):
+        self._state = state
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(API_PREFIX):
+            return handler
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream))
+        return handler  # the API has no client-streaming methods
+
+    def _refusal(self) -> ServiceError | None:
+        state = self._state()
+        if state is ServingState.SERVING:
+            return None
+        return Unavailable(f"server is {state.value}; retry later" if state is ServingState.WARMING_UP
+                           else "server is draining (shutting down); retry on another replica")
+
+    def _wrap_unary(self, behavior):
+        async def wrapper(request, context):
+            try:
+                if (refusal := self._refusal()) is not None:
+                    raise refusal
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, the server keeps serving
+                await context.abort_with_status(to_rpc_status(exc))
+        return wrapper
+
+    def _wrap_stream(self, behavior):
+        async def wrapper(request, context):
+            try:
+                if (refusal := self._refusal()) is not None:
+                    raise refusal
+                async for response in behavior(request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await context.abort_with_status(to_rpc_status(exc))
+        return wrapper

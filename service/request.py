@@ -1,0 +1,36 @@
+"""Typed requests and outputs between the servicer and the scheduler (no protobuf, no tensors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lora_compile import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated Generate call."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    adapter: str | None = None            # None: the base model
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step added to one request; the last one has finish_reason set."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # "length", "stop", "eos" or "cancelled"
+    stop: str | None = None           # the matched stop string
+    stop_token_id: int | None = None  # the matched stop token
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,278 @@
+"""EngineRunner: the asyncio scheduler between the servicers and the engine (continuous batching).
+
+A waiting queue (FIFO) and a running set. Each loop iteration makes ONE call into the engine thread that
+  1. releases sequences that finished or were aborted since the last step,
+  2. admits waiting requests in order while `engine.try_admit` says yes (the first "no" stops: fairness),
+  3. runs `engine.step(running)`,
+and then, back on the event loop, turns each sequence's new tokens into a RequestOutput on its queue.
+All engine calls run in one worker thread, so they never overlap and the event loop keeps streaming.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from lora_compile import Engine, Sequence
+
+from .errors import EngineFailure, QueueFull, Unavailable
+from .output import OutputProcessor
+from .request import GenerationRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
+    retry_after_s: float = 1.0  # RetryInfo sent with RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request from add_request to its last output."""
+
+    request: GenerationRequest
+    seq: Sequence
+    processor: OutputProcessor
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | ServiceError
+    aborted: bool = False   # the client went away (cancel, deadline, stream closed)
+    done: bool = False      # the last output (or an error) is on the queue
+
+    async def next_output(self) -> RequestOutput:
+        item = await self.outputs.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def finish_with(self, item: RequestOutput | Exception) -> None:
+        if not self.done:
+            self.done = True
+            self.outputs.put_nowait(item)
+
+
+@dataclass
+class _IterationResult:
+    admitted: list[RequestState]
+    rejected: list[tuple[RequestState, Exception]]
+    stepped: list[RequestState]
+    step_error: Exception | None = None
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig()):
+        self.engine = engine
+        self.config = config
+        self._waiting: deque[RequestState] = deque()
+        self._running: list[RequestState] = []
+        self._to_release: list[Sequence] = []   # engine.release at the start of the next iteration
+        self._seq_ids = itertools.count()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")  # ONE engine thread
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._accepting = True
+        self._idle: asyncio.Event | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._wakeup, self._idle = asyncio.Event(), asyncio.Event()
+        self._idle.set()
+        self._task = asyncio.create_task(self._loop(), name="engine-runner")
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting; wait up to `timeout` for in-flight requests. True if all finished on their own;
+        otherwise the rest are ended with finish_reason "cancelled"."""
+        self._accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            for state in [*self._waiting, *self._running]:
+                state.finish_with(state.processor.cancel())
+                state.aborted = True
+            self._wake()
+            await self._idle.wait()  # the loop releases them within one step
+            return False
+
+    async def shutdown(self) -> None:
+        """Abort everything, release every slot, stop the loop and the engine thread."""
+        self._accepting = False
+        self._fail_all(Unavailable("server is shutting down"))
+        if self._task is not None:
+            self._wake()
+            await self._idle.wait()
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._release_all)
+        self._executor.shutdown(wait=True)
+
+    async def run_in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` between steps (e.g. warm-up, unloading an adapter), never during one."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # --- requests -----------------------------------------------------------------------------------
+    def check_capacity(self) -> None:
+        """Cheap, before any work on a new request: refuse now rather than queue without bound."""
+        if not self._accepting:
+            raise Unavailable("server is draining (shutting down); retry on another replica")
+        # Count against batch + queue, not the queue alone: a burst on an idle server is admitted at once.
+        in_flight = len(self._waiting) + len(self._running)
+        if in_flight >= self.engine.config.max_batch_size + self.config.max_queue:
+            raise QueueFull(max(0, in_flight - self.engine.config.max_batch_size), self.config.retry_after_s)
+
+    def add_request(self, request: GenerationRequest) -> RequestState:
+        self.check_capacity()
+        seq = Sequence(seq_id=next(self._seq_ids), prompt_ids=list(request.prompt_ids),
+                       sampling=request.sampling, adapter=request.adapter)
+        state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop))
+        self._waiting.append(state)
+        self._idle.clear()
+        self._wake()
+        return state
+
+    def abort(self, state: RequestState) -> None:
+        """The client is gone: drop the request; its slots are freed within one step."""
+        if not state.aborted:
+            state.aborted = True
+            state.done = True
+            self._wake()
+
+    def adapter_users(self, name: str) -> int:
+        """In-flight (waiting or running) requests that use adapter `name`."""
+        return sum(1 for s in (*self._waiting, *self._running) if s.request.adapter == name and not s.done)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._sweep_aborted()
+            if not (self._waiting or self._running or self._to_release):
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._wakeup.clear()
+            to_release, self._to_release = self._to_release, []
+            free = self.engine.config.max_batch_size - len(self._running)
+            candidates = list(itertools.islice(self._waiting, max(0, free)))
+            try:
+                result = await loop.run_in_executor(
+                    self._executor, self._engine_iteration, to_release, candidates, list(self._running))
+                self._apply(result)
+            except Exception:  # noqa: BLE001 - a scheduler bug must not leave every stream hanging
+                log.exception("scheduler iteration failed; failing all in-flight requests")
+                self._fail_all(EngineFailure("scheduler failure; see the server log"))
+                continue
+            if not result.stepped and not to_release and not result.admitted and not result.rejected:
+                # Nothing could be admitted and nothing runs (should not happen): do not spin.
+                await asyncio.sleep(0.01)
+
+    def _fail_all(self, error: Exception) -> None:
+        for state in [*self._waiting, *self._running]:
+            state.finish_with(error)
+            state.aborted = True
+
+    def _sweep_aborted(self) -> None:
+        if any(s.aborted for s in self._waiting):
+            # (a waiting request holds no slots, unless an iteration failed between admitting and moving it)
+            self._to_release += [s.seq for s in self._waiting if s.aborted and s.seq.kv_slot is not None]
+            self._waiting = deque(s for s in self._waiting if not s.aborted)
+        for state in [s for s in self._running if s.aborted]:
+            self._running.remove(state)
+            self._to_release.append(state.seq)
+
+    def _engine_iteration(self, to_release: list[Sequence], candidates: list[RequestState],
+                          running: list[RequestState]) -> _IterationResult:
+        """Runs in the engine thread."""
+        for seq in to_release:
+            self._release(seq)
+        result = _IterationResult(admitted=[], rejected=[], stepped=[])
+        for state in candidates:
+            if state.aborted:
+                result.rejected.append((state, None))  # dropped; nothing to report to anyone
+                continue
+            try:
+                if not self.engine.try_admit(state.seq):
+                    break  # FIFO: nobody overtakes the head of the queue
+            except Exception as exc:  # noqa: BLE001 - e.g. the adapter was unloaded while it waited
+                result.rejected.append((state, exc))
+                continue
+            result.admitted.append(state)
+        result.stepped = [s for s in running if not s.aborted] + result.admitted
+        if result.stepped:
+            try:
+                self.engine.step([s.seq for s in result.stepped])
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+                log.exception("engine step failed; failing its %d requests", len(result.stepped))
+                result.step_error = exc
+        return result
+
+    def _apply(self, result: _IterationResult) -> None:
+        """Back on the event loop: move admitted requests, push outputs, schedule releases."""
+        handled = {id(s) for s in result.admitted} | {id(s) for s, _ in result.rejected}
+        self._waiting = deque(s for s in self._waiting if id(s) not in handled)
+        for state, exc in result.rejected:
+            if exc is not None:  # engine errors (e.g. AdapterNotFoundError) map to statuses in errors.py
+                state.finish_with(exc)
+        self._running.extend(result.admitted)
+        if result.step_error is not None:
+            error = EngineFailure(f"engine step failed: {type(result.step_error).__name__}: {result.step_error}")
+            for state in result.stepped:
+                state.finish_with(error)
+                self._running.remove(state)
+                self._to_release.append(state.seq)
+            return
+        for state in result.stepped:
+            if state.aborted:
+                continue  # swept (and released) next iteration
+            try:
+                out = state.processor.process()
+            except Exception as exc:  # noqa: BLE001 - a detokenizer bug fails one request, not the loop
+                log.exception("output processing failed for request %s", state.request.request_id)
+                state.finish_with(EngineFailure(f"output processing failed: {exc}"))
+                state.aborted = True
+                continue
+            if out is None:
+                continue
+            if out.finished:
+                state.finish_with(out)
+                self._running.remove(state)
+                self._to_release.append(state.seq)
+            elif not state.done:
+                state.outputs.put_nowait(out)
+
+    def _release(self, seq: Sequence) -> None:
+        try:
+            self.engine.release(seq)
+        except Exception:  # noqa: BLE001 - a failed release must not stop the loop
+            log.exception("engine.release failed for sequence %d", seq.seq_id)
+
+    def _release_all(self) -> None:
+        for seq in self._to_release:
+            self._release(seq)
+        for state in [*self._waiting, *self._running]:
+            self._release(state.seq)
+        self._to_release, self._running, self._waiting = [], [], deque()
+

@@ -1,0 +1,136 @@
+"""The grpc.aio server: servicers, health, reflection, warm-up, and graceful drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lora_compile import Engine
+
+from ._proto import pb, pb_grpc
+from .interceptors import ErrorInterceptor, ServingState
+from .scheduler import EngineRunner, SchedulerConfig
+from .servicers import AdaptersServicer, GenerationServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"     # "0.0.0.0" / "[::]" to accept remote clients (e.g. in a container)
+    port: int = 50051           # 0: any free port (see LoraServer.port)
+    max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
+    retry_after_s: float = 1.0  # RetryInfo.retry_delay with RESOURCE_EXHAUSTED
+    grace_period_s: float = 30.0  # drain: how long in-flight streams may take to finish
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(max_queue=self.max_queue, retry_after_s=self.retry_after_s)
+
+
+class LoraServer:
+    """start() → warmup() → (serving) → drain() → stopped. Health is NOT_SERVING except while serving."""
+
+    def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
+        self.engine = engine
+        self.config = config
+        self.state = ServingState.WARMING_UP
+        self.runner = EngineRunner(engine, config.scheduler)
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self._stopped = False
+        self._server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(lambda: self.state)],
+            options=[("grpc.so_reuseport", 0)],  # a second server on a taken port must fail, not share it
+        )
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, self.runner), self._server)
+        pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(engine, self.runner), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and accept calls (health answers NOT_SERVING until warm-up is done). Returns the port."""
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if not self.port:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.runner.start()
+        await self._server.start()
+        return self.port
+
+    async def warmup(self) -> float:
+        """Compile every graph variant (in the engine thread), then report SERVING."""
+        t0 = time.perf_counter()
+        await self.runner.run_in_engine_thread(self.engine.warmup)
+        self.state = ServingState.SERVING
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        return time.perf_counter() - t0
+
+    async def drain(self, grace_period_s: float | None = None) -> bool:
+        """Refuse new calls (UNAVAILABLE), let in-flight streams finish within the grace period, stop.
+        Returns True if every stream finished on its own (the rest end with finish_reason CANCELLED)."""
+        grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
+        self.state = ServingState.DRAINING
+        await self.health.enter_graceful_shutdown()
+        clean = await self.runner.drain(grace)
+        await self.stop(grace_s=1.0)  # the last messages are queued; let them reach the clients
+        return clean
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop now (or after `grace_s` for calls already answered); in-flight requests fail with UNAVAILABLE."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.state = ServingState.DRAINING
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace=grace_s)
+        await self.runner.shutdown()
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+    async def _set_health(self, status) -> None:
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
+
+
+async def serve(engine: Engine, config: ServerConfig, on_ready: Callable[[LoraServer], None] | None = None) -> bool:
+    """Run until SIGTERM/SIGINT, then drain. Returns True if the drain was clean."""
+    server = LoraServer(engine, config)
+    await server.start()
+    log.info("listening on %s; warming up%s...", server.address,
+             " (compiling the model's graphs; a cold start can take minutes)" if engine.config.compile else "")
+    try:
+        seconds = await server.warmup()
+    except BaseException:
+        await server.stop()  # do not leave a half-started server behind
+        raise
+    log.info("warm-up done in %.1fs", seconds)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("lora-serve ready on %s", server.address)
+    if on_ready is not None:
+        on_ready(server)
+    await stop.wait()
+    log.info("draining: refusing new calls, waiting up to %.0fs for %d running and %d waiting requests",
+             config.grace_period_s, server.runner.num_running, server.runner.num_waiting)
+    clean = await server.drain()
+    log.info("drained %s; bye", "cleanly" if clean else "(grace period over; the rest were cancelled)")
+    return clean

@@ -1,0 +1,134 @@
+"""One servicer per service of loraserve.v1. Handlers validate, call the runner or engine, and raise;
+the interceptor turns what they raise into statuses."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from lora_compile import Engine
+
+from ._proto import pb, pb_grpc
+from .errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from .request import RequestOutput
+from .scheduler import EngineRunner
+from .validation import Limits, validate_generate
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
+    "eos": pb.FINISH_REASON_EOS, "cancelled": pb.FINISH_REASON_CANCELLED,
+}
+_TOKENIZE_IN_THREAD_CHARS = 16_384  # longer texts are tokenized off the event loop
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, runner: EngineRunner):
+        self._engine = engine
+        self._runner = runner
+        tokenizer_vocab = engine.tokenizer.vocab_size
+        self._limits = Limits(vocab_size=min(engine.model_config.vocab_size, tokenizer_vocab),
+                              max_seq_len=engine.config.max_seq_len)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        self._runner.check_capacity()  # RESOURCE_EXHAUSTED / UNAVAILABLE before any work
+        prompt_ids = None
+        if request.WhichOneof("input") == "text":
+            prompt_ids = await self._encode(request.text)
+        req = validate_generate(request, prompt_ids, self._limits)
+        if req.adapter is not None and req.adapter not in self._engine.adapters:
+            raise NotFound("adapter", req.adapter)
+        state = self._runner.add_request(req)
+        # Cancellation, deadline or a closed stream: the runner drops the request within one step.
+        context.add_done_callback(lambda _ctx: self._runner.abort(state))
+        try:
+            while True:
+                out = await state.next_output()
+                yield _response(req.request_id, out)
+                if out.finished:
+                    return
+        finally:
+            self._runner.abort(state)  # no-op once finished
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = await self._encode(request.text, add_special)
+        tok = self._engine.tokenizer
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
+        engine, cfg, mc = self._engine, self._engine.config, self._engine.model_config
+        return pb.ModelInfoResponse(
+            model=engine.model_name, architecture=mc.architecture, vocab_size=self._limits.vocab_size,
+            max_seq_len=cfg.max_seq_len, max_batch_size=cfg.max_batch_size,
+            max_loras_per_batch=cfg.max_loras_per_batch, max_lora_rank=cfg.max_lora_rank,
+            dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device), compiled=cfg.compile,
+            eos_token_ids=sorted(engine.tokenizer.eos_token_ids), max_queue=self._runner.config.max_queue,
+        )
+
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        encode = self._engine.tokenizer.encode
+        if len(text) > _TOKENIZE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(encode, text, add_special_tokens)
+        return encode(text, add_special_tokens)
+
+
+class AdaptersServicer(pb_grpc.AdaptersServicer):
+    def __init__(self, engine: Engine, runner: EngineRunner):
+        self._engine = engine
+        self._runner = runner
+
+    async def ListAdapters(self, request, context) -> pb.ListAdaptersResponse:
+        return pb.ListAdaptersResponse(adapters=[self._info(a) for a in self._engine.adapters.list()])
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
+        bad = [FieldViolation(f, "must not be empty") for f in ("name", "path") if not getattr(request, f)]
+        if bad:
+            raise InvalidArgument(bad)
+        if self._runner.adapter_users(request.name):
+            raise FailedPrecondition(f"adapter {request.name!r} is in use by in-flight requests; "
+                                     "it cannot be replaced now")
+        # Reading and validating the files is slow: a plain thread, so steps (and streams) go on meanwhile.
+        info = await asyncio.to_thread(self._engine.adapters.register, request.name, request.path)
+        log.info("loaded adapter %s from %s (rank %d)", info.name, info.path, info.rank)
+        return pb.LoadAdapterResponse(adapter=self._info(info))
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
+        name = request.name
+        if not name:
+            raise InvalidArgument([FieldViolation("name", "must not be empty")])
+        if name not in self._engine.adapters:
+            raise NotFound("adapter", name)
+        users = self._runner.adapter_users(name)
+        if users:
+            raise FailedPrecondition(f"adapter {name!r} is in use by {users} in-flight requests")
+        # Between steps: unloading clears the adapter's device slot, which a step must not see half-done.
+        await self._runner.run_in_engine_thread(self._engine.adapters.unregister, name)
+        log.info("unloaded adapter %s", name)
+        return pb.UnloadAdapterResponse()
+
+    def _info(self, info) -> pb.AdapterInfo:
+        msg = pb.AdapterInfo(name=info.name, path=str(info.path), rank=info.rank, alpha=info.alpha,
+                             target_modules=list(info.target_modules),
+                             active_requests=self._runner.adapter_users(info.name))
+        if info.device_slot is not None:
+            msg.device_slot = info.device_slot
+        return msg
+
+
+def _response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
+                              logprobs=out.logprobs,
+                              top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[p for _, p in top])
+                                            for top in out.top_logprobs])
+    if out.finished:
+        msg.finish_reason = _FINISH_REASONS[out.finish_reason]
+        msg.usage.prompt_tokens = out.prompt_tokens
+        msg.usage.completion_tokens = out.completion_tokens
+        if out.stop is not None:
+            msg.stop = out.stop
+        if out.stop_token_id is not None:
+            msg.stop_token_id = out.stop_token_id
+    return msg

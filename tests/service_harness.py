@@ -1,0 +1,107 @@
+"""Shared by the service tests: the real engine on the demo model (eager, built once per session) and a
+LoraServer running on its own event loop in a background thread, reached over loopback gRPC."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lora_compile import Engine, EngineConfig, SamplingParams
+from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
+from service.client import LoraServeClient
+from service.server import LoraServer, ServerConfig
+
+T = TypeVar("T")
+LIMITS = dict(compile=False, max_batch_size=8, max_seq_len=256, max_loras_per_batch=2, max_lora_rank=16)
+DEMO_ADAPTERS = ("pirate", "poet", "scribe")
+
+
+@functools.cache
+def demo_paths() -> tuple[Path, dict[str, Path]]:
+    return write_demo_checkpoint(), write_demo_adapters()
+
+
+@functools.cache
+def shared_engine() -> Engine:
+    """One engine for every service test module (eager keeps the suite fast)."""
+    model, adapters = demo_paths()
+    engine = Engine(EngineConfig(model=str(model), **LIMITS))
+    for name, path in adapters.items():
+        engine.adapters.register(name, str(path))
+    return engine
+
+
+class ServerThread:
+    """A LoraServer on a private event loop in a daemon thread."""
+
+    def __init__(self, engine: Engine, config: ServerConfig | None = None, warmup: bool = True):
+        self.engine = engine
+        self.config = config or ServerConfig(port=0, grace_period_s=10.0)
+        self.loop = asyncio.new_event_loop()
+        self.server: LoraServer | None = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="grpc-server")
+        self._thread.start()
+        self.run(self._start(warmup))
+
+    async def _start(self, warmup: bool) -> None:
+        self.server = LoraServer(self.engine, self.config)  # grpc.aio binds to the loop it is created in
+        await self.server.start()
+        if warmup:
+            await self.server.warmup()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def client(self, **kwargs) -> LoraServeClient:
+        return LoraServeClient(self.target, **kwargs)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run a coroutine on the server's loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]):
+        """Start a coroutine on the server's loop; returns a concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def in_engine_thread(self, fn: Callable[..., T], *args) -> T:
+        """Call the engine between steps (never concurrently with the server's own engine calls)."""
+        return self.run(self.server.runner.run_in_engine_thread(fn, *args))
+
+    def reference(self, prompt_ids: list[int], adapter: str | None, max_new_tokens: int, **sampling) -> list[int]:
+        """What engine.generate gives this request alone."""
+        params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+        return self.in_engine_thread(lambda: self.engine.generate([prompt_ids], params, adapters=[adapter])[0])
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no request is waiting or running and every KV slot and adapter pin is back."""
+        runner = self.server.runner
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (runner.num_running == 0 and runner.num_waiting == 0
+                    and self.engine.num_free_kv_slots == self.engine.config.max_batch_size
+                    and self.engine.adapters.num_free_slots == self.engine.config.max_loras_per_batch):
+                return
+            time.sleep(0.01)
+        raise AssertionError(
+            f"server not idle after {timeout}s: running={runner.num_running} waiting={runner.num_waiting} "
+            f"free_kv={self.engine.num_free_kv_slots} free_lora_slots={self.engine.adapters.num_free_slots}")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.run(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)

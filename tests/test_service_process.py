@@ -1,0 +1,98 @@
+"""The real process: `python -m service` (demo model, --no-compile) starts, reports ready, and on SIGTERM
+refuses new calls, lets the in-flight stream finish, and exits 0. The lora-client CLI talks to it."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from service.client import LoraServeClient, UnavailableError
+from tests.service_harness import demo_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+READY = re.compile(r"lora-serve ready on (\S+):(\d+)")
+pytestmark = pytest.mark.slow
+
+
+class ServeProcess:
+    def __init__(self, *args: str):
+        demo_paths()  # written once, before the child reads the same cache
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "--no-compile", "--port", "0", "--max-batch-size", "2",
+             "--max-seq-len", "256", "--max-loras-per-batch", "1", *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        )
+        self._ready = threading.Event()
+        self.port: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(90):
+            self.proc.kill()
+            raise AssertionError("server never became ready:\n" + "".join(self.lines))
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if m := READY.search(line):
+                self.port = int(m.group(2))
+                self._ready.set()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "service", "client", "--target", self.target, *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
+    server = ServeProcess("--grace-period", "30")
+    try:
+        log = "".join(server.lines)
+        assert "loading model" in log and "warm-up done" in log and "registered adapter pirate" in log
+
+        # The CLI client against the real process.
+        info = server.cli("info")
+        assert info.returncode == 0 and "max_batch_size: 2" in info.stdout
+        listed = server.cli("adapters", "list")
+        assert listed.returncode == 0 and {"pirate", "poet", "scribe"} <= {
+            line.split("\t")[0] for line in listed.stdout.splitlines()}
+        generated = server.cli("generate", "Once upon a time", "--adapter", "poet", "--max-new-tokens", "8")
+        assert generated.returncode == 0 and "[finish: length; prompt" in generated.stderr
+        bad = server.cli("generate", "x", "--temperature", "-1")
+        assert bad.returncode == 1 and "sampling.temperature" in bad.stderr
+
+        with LoraServeClient(server.target) as client:
+            stream = client.generate("Once upon a time", max_new_tokens=240, ignore_eos=True)
+            chunks = [next(stream)]
+            server.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(UnavailableError):  # refused (draining) or, once stopped, no listener
+                with LoraServeClient(server.target, timeout=5) as other:
+                    other.complete("Hello", max_new_tokens=2)
+            chunks += list(stream)
+        assert chunks[-1].finish_reason == "length"
+        assert sum(len(c.token_ids) for c in chunks) == 240
+        assert server.proc.wait(30) == 0
+        log = "".join(server.lines)
+        assert "draining" in log and "drained cleanly" in log
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def test_bad_model_dir_fails_fast(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "service", "--no-compile", "--model", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot start" in proc.stderr and "config.json" in proc.stderr
+    assert time.monotonic() - start < 60
