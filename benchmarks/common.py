@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,6 +98,16 @@ def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], ste
         for s in seqs:
             engine.release(s)
     return elapsed / steps, init / steps
+
+
+def interleaved(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Median of `rounds` measurements of each, taken in turn (A B C A B C ...), so that drift and noise
+    on a shared machine hit every configuration alike."""
+    samples: dict[str, list[float]] = {name: [] for name in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            samples[name].append(measure())
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def fmt_row(cells, widths) -> str:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.common import decode_step_time, fmt_row, smollm2_checkpoint
+from benchmarks.common import decode_step_time, fmt_row, interleaved, smollm2_checkpoint
 from lora_compile import Engine, EngineConfig
 
 LIMITS = dict(max_batch_size=32, max_seq_len=256, max_num_batched_tokens=512, max_loras_per_batch=8, max_lora_rank=16)
@@ -36,9 +36,7 @@ def time_start(model: str, cache_dir: str) -> float:
 
 
 @torch.inference_mode()
-def transformers_step_time(model_dir, batch: int, steps: int, prompt_len: int = 64) -> float:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def transformers_step_time(model, batch: int, steps: int, prompt_len: int = 64) -> float:
     ids = torch.tensor([[(7 * i + j) % 500 + 3 for j in range(prompt_len)] for i in range(batch)])
 
     def run(n: int) -> float:
@@ -55,7 +53,8 @@ def transformers_step_time(model_dir, batch: int, steps: int, prompt_len: int = 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved repetitions; medians are reported")
     p.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -73,12 +72,17 @@ def main() -> None:
     compiled = Engine(EngineConfig(model=model, **LIMITS))
     compiled.warmup()
     eager = Engine(EngineConfig(model=model, compile=False, **LIMITS))
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     widths = (6, 14, 14, 14, 10, 10)
     print(fmt_row(("batch", "compiled tok/s", "eager tok/s", "hf tok/s", "c/eager", "c/hf"), widths))
     for b in args.batches:
-        tc, _ = decode_step_time(compiled, b, [None], args.steps)
-        te, _ = decode_step_time(eager, b, [None], args.steps)
-        th = transformers_step_time(model, b, args.steps)
+        t = interleaved({
+            "compiled": lambda: decode_step_time(compiled, b, [None], args.steps)[0],
+            "eager": lambda: decode_step_time(eager, b, [None], args.steps)[0],
+            "hf": lambda: transformers_step_time(hf, b, args.steps),
+        }, args.rounds)
+        tc, te, th = t["compiled"], t["eager"], t["hf"]
         print(fmt_row((b, f"{b / tc:.1f}", f"{b / te:.1f}", f"{b / th:.1f}", f"{te / tc:.2f}x", f"{th / tc:.2f}x"), widths),
               flush=True)
 

@@ -14,24 +14,27 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import decode_step_time, fmt_row, smollm2_checkpoint, write_lora_adapter
+from benchmarks.common import decode_step_time, fmt_row, interleaved, smollm2_checkpoint, write_lora_adapter
 from lora_compile import Engine, EngineConfig
 
 N_ADAPTERS = 8
 RANK = 16
 
 
-@torch.inference_mode()
-def peft_step_time(model_dir: Path, adapter_dirs: list[Path], batch: int, steps: int, prompt_len: int = 64) -> float:
+def load_peft(model_dir: Path, adapter_dirs: list[Path]):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter_dirs[0], adapter_name="a0")
     for i, d in enumerate(adapter_dirs[1:], start=1):
         model.load_adapter(d, adapter_name=f"a{i}")
-    model.eval()
+    return model.eval()
+
+
+@torch.inference_mode()
+def peft_step_time(model, n_adapters: int, batch: int, steps: int, prompt_len: int = 64) -> float:
     ids = torch.tensor([[(7 * i + j) % 500 + 3 for j in range(prompt_len)] for i in range(batch)])
-    names = [f"a{i % len(adapter_dirs)}" for i in range(batch)]
+    names = [f"a{i % n_adapters}" for i in range(batch)]
 
     def run(n: int) -> float:
         t0 = time.perf_counter()
@@ -46,7 +49,8 @@ def peft_step_time(model_dir: Path, adapter_dirs: list[Path], batch: int, steps:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved repetitions; medians are reported")
     p.add_argument("--no-peft", action="store_true")
     args = p.parse_args()
     model = smollm2_checkpoint()
@@ -62,11 +66,25 @@ def main() -> None:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; rank {RANK}, all 7 modules, decode tok/s")
         print(fmt_row(("batch", "base", "one adapter", f"{N_ADAPTERS} adapters", "peft mixed", "one/base",
                        "8/base", "ours/peft", "batch init"), widths))
+        peft = None if args.no_peft else load_peft(model, dirs)
         for b in args.batches:
-            t_base, _ = decode_step_time(engine, b, [None], args.steps)
-            t_one, _ = decode_step_time(engine, b, names[:1], args.steps)
-            t_mix, t_init = decode_step_time(engine, b, names, args.steps)
-            t_peft = float("nan") if args.no_peft else peft_step_time(model, dirs, b, args.steps)
+            init: list[float] = []
+
+            def mixed() -> float:
+                step, batch_init = decode_step_time(engine, b, names, args.steps)
+                init.append(batch_init / step)
+                return step
+
+            measures = {
+                "base": lambda: decode_step_time(engine, b, [None], args.steps)[0],
+                "one": lambda: decode_step_time(engine, b, names[:1], args.steps)[0],
+                "mixed": mixed,
+            }
+            if peft is not None:
+                measures["peft"] = lambda: peft_step_time(peft, N_ADAPTERS, b, args.steps)
+            t = interleaved(measures, args.rounds)
+            t_base, t_one, t_mix, t_peft = t["base"], t["one"], t["mixed"], t.get("peft", float("nan"))
+            t_init = sorted(init)[len(init) // 2] * t_mix
             print(fmt_row((b, f"{b / t_base:.1f}", f"{b / t_one:.1f}", f"{b / t_mix:.1f}", f"{b / t_peft:.1f}",
                            f"{t_base / t_one:.2f}x", f"{t_base / t_mix:.2f}x", f"{t_peft / t_mix:.2f}x",
                            f"{100 * t_init / t_mix:.2f}% of step"), widths), flush=True)

@@ -30,6 +30,7 @@ class StepOutput:
     num_tokens: int = 0         # tokens processed (prefill chunks + decodes)
     num_adapters: int = 0       # distinct adapters in the step
     kind: str = "decode"        # "decode", "prefill" or "mixed"
+    start_ns: int = 0           # wall clock (time.time_ns) at the start of the step, for tracing
     batch_init_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -233,7 +234,7 @@ class Engine:
     @torch.inference_mode()
     def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
         """Run one forward over `seqs` and give each sequence that completed its tokens one new token."""
-        t0 = time.perf_counter()
+        start_ns, t0 = time.time_ns(), time.perf_counter()
         single, chunks = self._plan(seqs)
         input_ids, fb, logits_idx, sampled, n_adapters = self._build_batch(single, chunks)
         if self._compiled:
@@ -259,7 +260,7 @@ class Engine:
             seq_ids=[s.seq_id for s in sampled], token_ids=token_ids,
             logits=logits if return_logits else None,
             num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=n_adapters, kind=kind,
-            batch_init_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
+            start_ns=start_ns, batch_init_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
         )
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

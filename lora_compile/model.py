@@ -9,7 +9,7 @@ from . import compile_policy
 from .checkpoint import SafetensorsCheckpoint
 from .config import ModelConfig
 from .forward_batch import AttentionMetadata, ForwardBatch
-from .layers import LoRALinear, RMSNorm, apply_rotary
+from .layers import LoRALinear, RMSNorm, apply_rotary, linear
 
 # Modules a LoRA adapter may target: PEFT name -> (our fused module, output slice index).
 LORA_TARGETS: dict[str, tuple[str, int]] = {
@@ -78,9 +78,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x, fb.lora)
-        q = qkv[:, : self.q_size].view(tokens, self.n_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.n_kv, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.n_kv, self.head_dim)
+        # reshape, not view: on CPU the projection's output is a transposed layout (see layers.linear)
+        q = qkv[:, : self.q_size].reshape(tokens, self.n_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(tokens, self.n_kv, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(tokens, self.n_kv, self.head_dim)
         q = apply_rotary(q, fb.cos, fb.sin)
         k = apply_rotary(k, fb.cos, fb.sin)
         md: AttentionMetadata = fb.attn
@@ -148,7 +149,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             h = layer(h, fb)
         # Only the rows that are sampled go through the (large) vocabulary projection.
-        return F.linear(self.norm(h[logits_idx]), self.lm_head).float()
+        return linear(self.norm(h[logits_idx]), self.lm_head).float()
 
     @torch.no_grad()
     def load_weights(self, ckpt: SafetensorsCheckpoint) -> None:

@@ -24,6 +24,10 @@ def test_random_workload_never_recompiles(compiled_engines):
     running: list[Sequence] = []
     next_id, steps, sizes_seen = 1000, 0, set()
     torch._dynamo.utils.counters.clear()
+    # Start with every slot in use at once (m = max_loras_per_batch), then random traffic.
+    full = [Sequence(900 + i, [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True), n)
+            for i, n in enumerate(names[1:engine.config.max_loras_per_batch + 1])]
+    engine.generate([s.prompt_ids for s in full], full[0].sampling, adapters=[s.adapter for s in full])
     while steps < 120:
         while len(running) < max_batch and rng.random() < 0.5:
             prompt = [rng.randrange(1, 300) for _ in range(rng.choice([1, 2, 3, rng.randrange(4, 100)]))]
