@@ -102,6 +102,8 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
     directory = resolve_adapter_path(path, roots)
     config_path = directory / CONFIG_FILE
     weights_path = directory / WEIGHTS_FILE
+    for file in (config_path, weights_path) if roots else ():  # a file symlinked out of the roots escapes too
+        resolve_adapter_path(file, roots)
     if not directory.is_dir():
         raise AdapterError(f"adapter {name!r}: {directory} is not a directory")
     if not config_path.is_file():

@@ -54,9 +54,10 @@ def rope_tables(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T. On CPU computed as (weight @ x.T).T: MKL's small-M GEMM streams the weight once per
-    row of x, with the weight on the left once (5x faster at 2-8 tokens; measured in docs/benchmarks.md)."""
-    if x.device.type == "cpu":
+    """x @ weight.T. For float32 on CPU computed as (weight @ x.T).T: MKL's small-M GEMM streams the weight
+    once per row of x, with the weight on the left once (4x faster at 2-3 tokens; python -m benchmarks.gemm).
+    In bfloat16 the plain form is the faster one."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.mm(weight, x.t()).t()
     return F.linear(x, weight)
 

@@ -1,0 +1,45 @@
+"""Why the engine computes CPU linears as (W @ x.T).T: GEMM time for one decode step's weights, by row count.
+
+    python -m benchmarks.gemm
+
+The weights are those of the SmolLM2-135M shape (30 layers of qkv, o, gate_up, down, plus the 49152-row head):
+all distinct, so nothing stays in cache, as in a real step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def step_ms(weights: list[torch.Tensor], rows: int, form: str) -> float:
+    xs = {k: torch.randn(rows, k, dtype=weights[0].dtype) for k in (576, 1536)}
+    if form == "linear":
+        def run():
+            return [F.linear(xs[w.shape[1]], w) for w in weights]
+    else:
+        def run():
+            return [torch.mm(w, xs[w.shape[1]].t()) for w in weights]
+    for _ in range(2):
+        run()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        run()
+    return (time.perf_counter() - t0) / 5 * 1000
+
+
+def main() -> None:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms for all GEMMs of one step")
+    print(f"{'rows':>5} {'fp32 F.linear':>14} {'fp32 W-left':>12} {'bf16 F.linear':>14} {'bf16 W-left':>12}")
+    fp32 = [torch.randn(*s) for s in SHAPES]
+    bf16 = [w.bfloat16() for w in fp32]
+    for rows in (1, 2, 3, 9, 33):
+        cells = [step_ms(ws, rows, form) for ws in (fp32, bf16) for form in ("linear", "left")]
+        print(f"{rows:>5} " + " ".join(f"{c:>12.1f}  " for c in cells))
+
+
+if __name__ == "__main__":
+    main()
