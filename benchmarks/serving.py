@@ -1,0 +1,171 @@
+"""Serving benchmark in the manner of SGLang's bench_serving: Poisson arrivals against a real lora-serve process.
+
+    python -m benchmarks.serving [--rate 8] [--num-requests 64] [--max-batch-size 8] [--adapters 8 --zipf 1.1]
+
+Starts `lora-serve` (compiled) on the SmolLM2-135M-shaped checkpoint with N rank-16 adapters, sends requests
+with seeded prompt/output lengths and adapters drawn uniform or Zipf, and reports TTFT, inter-token latency
+(P50/P95/P99), output tokens/s and request throughput. Then, in the same run, it measures the engine's bare
+decode step at the same batch size and prints P95 ITL against it (the service + scheduler overhead).
+With --target it only loads an already-running server.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.common import decode_step_time, smollm2_checkpoint, write_lora_adapter
+from service.client import AsyncLoraServeClient
+
+
+@dataclass
+class RequestResult:
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    latency: float = 0.0
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def draw_adapter(rng: random.Random, names: list[str], zipf: float) -> str | None:
+    if not names:
+        return None
+    if zipf <= 0:
+        return rng.choice(names)
+    weights = [1 / (rank + 1) ** zipf for rank in range(len(names))]
+    return rng.choices(names, weights)[0]
+
+
+async def one_request(client: AsyncLoraServeClient, prompt: list[int], adapter: str | None, max_new: int) -> RequestResult:
+    result = RequestResult()
+    t0 = last = time.perf_counter()
+    try:
+        async for chunk in client.generate(prompt, adapter=adapter, max_new_tokens=max_new, ignore_eos=True):
+            if not chunk.token_ids:
+                continue
+            now = time.perf_counter()
+            if result.output_tokens == 0:
+                result.ttft = now - t0
+            else:
+                result.itl.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+            result.output_tokens += len(chunk.token_ids)
+            last = now
+    except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.latency = time.perf_counter() - t0
+    return result
+
+
+async def run_load(target: str, args, adapters: list[str]) -> tuple[list[RequestResult], float]:
+    rng = random.Random(args.seed)
+    specs = [([rng.randrange(3, 500) for _ in range(rng.randint(args.min_input, args.max_input))],
+              draw_adapter(rng, adapters, args.zipf), rng.randint(args.min_output, args.max_output))
+             for _ in range(args.num_requests)]
+    async with AsyncLoraServeClient(target) as client:
+        await one_request(client, [5, 6, 7], None, 2)  # connection set-up outside the measurement
+        tasks = []
+        t0 = time.perf_counter()
+        for prompt, adapter, max_new in specs:
+            tasks.append(asyncio.create_task(one_request(client, prompt, adapter, max_new)))
+            if args.rate > 0:
+                await asyncio.sleep(rng.expovariate(args.rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def start_server(model: Path, adapter_dirs: list[Path], args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port),
+           "--max-batch-size", str(args.max_batch_size), "--max-seq-len", "512",
+           "--max-loras-per-batch", str(max(1, min(len(adapter_dirs), args.max_loras_per_batch))),
+           "--max-queue", str(args.num_requests)]
+    for i, d in enumerate(adapter_dirs):
+        cmd += ["--adapter", f"a{i}={d}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # wait for the ready line (warm-up included)
+        if "ready on" in line:
+            break
+    else:
+        raise RuntimeError(f"lora-serve exited with {proc.wait()} before it was ready")
+    return proc, f"127.0.0.1:{port}"
+
+
+def report(results: list[RequestResult], duration: float) -> float:
+    ok = [r for r in results if r.error is None]
+    errors = [r.error for r in results if r.error]
+    itl = [x for r in ok for x in r.itl]
+    ttft = [r.ttft for r in ok]
+    tokens = sum(r.output_tokens for r in ok)
+    print(f"requests: {len(ok)} ok, {len(errors)} failed{' (' + errors[0] + ')' if errors else ''}; duration {duration:.1f}s")
+    print(f"request throughput {len(ok) / duration:.2f} req/s, output {tokens / duration:.1f} tok/s")
+    for name, values in (("TTFT", ttft), ("ITL", itl)):
+        print(f"{name:5s} ms: mean {1000 * statistics.fmean(values):7.1f}  P50 {1000 * percentile(values, 50):7.1f}  "
+              f"P95 {1000 * percentile(values, 95):7.1f}  P99 {1000 * percentile(values, 99):7.1f}")
+    return percentile(itl, 95)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--target", help="an already-running server (skips start-up and the bare-engine comparison)")
+    p.add_argument("--rate", type=float, default=8.0, help="requests/s (Poisson); 0 = all at once")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--zipf", type=float, default=0.0, help="Zipf exponent for adapter popularity; 0 = uniform")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--min-input", type=int, default=16)
+    p.add_argument("--max-input", type=int, default=128)
+    p.add_argument("--min-output", type=int, default=32)
+    p.add_argument("--max-output", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    names = [f"a{i}" for i in range(args.adapters)]
+    if args.target:
+        report(*asyncio.run(run_load(args.target, args, names)))
+        return
+
+    model = smollm2_checkpoint()
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [write_lora_adapter(model, Path(tmp) / n, rank=16, seed=i) for i, n in enumerate(names)]
+        proc, target = start_server(model, dirs, args)
+        try:
+            print(f"lora-serve at {target}: batch {args.max_batch_size}, {args.adapters} adapters "
+                  f"({'zipf ' + str(args.zipf) if args.zipf else 'uniform'}), rate {args.rate or 'inf'} req/s")
+            p95 = report(*asyncio.run(run_load(target, args, names)))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        # The bare engine, same weights and adapters, same batch size, decoding with the same adapter mix.
+        from lora_compile import Engine, EngineConfig
+        engine = Engine(EngineConfig(model=str(model), max_batch_size=args.max_batch_size, max_seq_len=512,
+                                     max_loras_per_batch=max(1, min(args.adapters, args.max_loras_per_batch))))
+        for n, d in zip(names, dirs):
+            engine.adapters.register(n, str(d))
+        engine.warmup()
+        mix = names[: engine.config.max_loras_per_batch] or [None]
+        step = statistics.median(decode_step_time(engine, args.max_batch_size, mix, 12)[0] for _ in range(3))
+        print(f"bare engine decode step at batch {args.max_batch_size}: {1000 * step:.1f} ms; "
+              f"P95 ITL / step = {p95 / step:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
