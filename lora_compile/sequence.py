@@ -32,12 +32,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def token_at(self, index: int) -> int:
-        n_prompt = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < n_prompt else self.output_ids[index - n_prompt]
-
     def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output."""
         n_prompt = len(self.prompt_ids)
         if end <= n_prompt:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n_prompt:  # decode: no need to build prompt + output
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
