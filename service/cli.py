@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -47,6 +48,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="adapters resident on the device at once (default: %(default)s)")
     p.add_argument("--max-lora-rank", type=int, default=engine_defaults["max_lora_rank"],
                    help="default: %(default)s")
+    p.add_argument("--max-cpu-loras", type=int, default=engine_defaults["max_cpu_loras"],
+                   help="adapters kept in host memory; others are read from disk again when used "
+                        "(default: %(default)s)")
     p.add_argument("--dtype", default=engine_defaults["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=engine_defaults["device"], help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (no torch.compile): fast start, slower steps")
@@ -57,11 +61,82 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight streams get to finish after SIGTERM (default: %(default)s)")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                    help="LoadAdapter only accepts directories under these roots (repeatable; default: any)")
+    _add_limit_flags(p)
+    _add_security_flags(p)
+    p.add_argument("--tracing", action="store_true",
+                   help="export OpenTelemetry spans and metrics over OTLP, configured by the OTEL_* environment "
+                        "(or env LORA_SERVE_TRACING=1); see docs/tracing.md")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.epilog = "lora-serve trace-summary --help: batch-init vs forward statistics from OTLP spans"
     return p
 
 
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    from .limits import RequestLimits
+
+    d = RequestLimits()
+    g = p.add_argument_group("limits (checked before a request gets any work; see docs/operations.md)")
+    g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help="longest prompt accepted (default: max-seq-len - 1)")
+    g.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens,
+                   help="largest max_new_tokens a request may ask for, and the default when it asks for none "
+                        "(default: the rest of the context)")
+    g.add_argument("--max-concurrent-streams", type=int, default=d.max_concurrent_streams,
+                   help="open Generate streams before RESOURCE_EXHAUSTED (default: max-batch-size + max-queue)")
+    g.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help="largest request message; larger ones get RESOURCE_EXHAUSTED (default: %(default)s)")
+    g.add_argument("--max-pending-outputs", type=int, default=d.max_pending_outputs,
+                   help="responses buffered for a client that reads slowly before its request pauses "
+                        "(default: %(default)s)")
+    g.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="seconds a request may stay paused for a client that does not read before it is ended "
+                        "(default: %(default)s)")
+
+
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    from .security import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+
+    g = p.add_argument_group("security (see docs/operations.md)")
+    g.add_argument("--api-token", default=None,
+                   help=f"bearer token required by Generation RPCs and ListAdapters (or env {API_TOKEN_ENV})")
+    g.add_argument("--admin-token", default=None,
+                   help=f"bearer token required by LoadAdapter / UnloadAdapter (or env {ADMIN_TOKEN_ENV})")
+    g.add_argument("--disable-adapter-management", action="store_true",
+                   help="refuse LoadAdapter / UnloadAdapter (PERMISSION_DENIED)")
+    g.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
+    g.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument("--tls-client-ca", metavar="PEM",
+                   help="mutual TLS: require client certificates signed by this CA")
+
+
+def _server_config(args: argparse.Namespace):
+    """ServerConfig from the flags (ValueError for a bad combination)."""
+    from .limits import RequestLimits
+    from .security import ADMIN_TOKEN_ENV, API_TOKEN_ENV, SecurityConfig, TlsConfig
+    from .server import ServerConfig
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    limits = RequestLimits(
+        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_limit,
+        max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
+        max_pending_outputs=args.max_pending_outputs, stall_timeout_s=args.stall_timeout)
+    security = SecurityConfig(
+        api_token=args.api_token or os.environ.get(API_TOKEN_ENV) or None,
+        admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
+        disable_adapter_management=args.disable_adapter_management,
+        tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
+    return ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue, grace_period_s=args.grace_period,
+                        limits=limits, security=security)
+
+
 def serve_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["trace-summary"]:  # the one subcommand; plain `lora-serve [flags]` serves
+        from .trace_summary import main as trace_summary_main
+        return trace_summary_main(argv[1:])
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -69,25 +144,30 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     from lora_compile import Engine, EngineConfig
 
-    from .server import ServerConfig, serve
+    from .server import serve
+    from .tracing import describe_export, setup_telemetry, tracing_requested
 
     adapters = dict(args.adapter)
     model = args.model
+    roots = tuple(args.adapter_root)
     if model is None:
         from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
 
         log.info("no --model: writing the embedded demo model and adapters (first run only)")
         model = str(write_demo_checkpoint())
-        adapters = {name: str(path) for name, path in write_demo_adapters().items()} | adapters
+        demo_adapters = write_demo_adapters()
+        adapters = {name: str(path) for name, path in demo_adapters.items()} | adapters
+        if roots:  # the demo adapters must stay loadable (they are re-read after eviction)
+            roots += tuple(sorted({str(path.parent) for path in demo_adapters.values()}))
+            log.info("adapter roots: %s (the demo adapters' directory added)", ", ".join(roots))
     try:
         engine_config = EngineConfig(
             model=model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
             max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
-            adapter_roots=tuple(args.adapter_root),
+            adapter_roots=roots, max_cpu_loras=args.max_cpu_loras,
         )
-        server_config = ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue,
-                                     grace_period_s=args.grace_period)
+        server_config = _server_config(args)
         t0 = time.perf_counter()
         log.info("loading model from %s", model)
         engine = Engine(engine_config)
@@ -100,11 +180,22 @@ def serve_main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a bad flag or directory: one line, not a traceback
         log.error("cannot start: %s: %s", type(e).__name__, e)
         return 2
+    telemetry = None
+    if tracing_requested(args.tracing):
+        try:
+            telemetry = setup_telemetry()
+        except Exception as e:  # noqa: BLE001 - e.g. an unknown OTEL_EXPORTER_OTLP_PROTOCOL
+            log.error("cannot start tracing: %s: %s", type(e).__name__, e)
+            return 2
+        log.info("tracing: %s", describe_export() if telemetry is not None else "off (OTEL_SDK_DISABLED=true)")
     try:
-        clean = asyncio.run(serve(engine, server_config))
+        clean = asyncio.run(serve(engine, server_config, telemetry=telemetry))
     except Exception:  # noqa: BLE001 - e.g. warm-up (compilation) failed: say so, exit non-zero
         log.exception("lora-serve failed")
         return 3
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # the last spans and metrics; bounded when the collector is gone
     return 0 if clean else 1
 
 
@@ -113,6 +204,14 @@ def client_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lora-client", description="Talk to a lora-serve server.")
     p.add_argument("--target", default="localhost:50051", help="server address (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
+    p.add_argument("--token", default=None, help="bearer token for every call (or env LORA_SERVE_API_TOKEN)")
+    p.add_argument("--admin-token", default=None,
+                   help="bearer token for adapters load/unload (or env LORA_SERVE_ADMIN_TOKEN; default: --token)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (needs --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--tls-server-name", help="check the server certificate against this name instead")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a completion to the terminal")
@@ -146,8 +245,20 @@ def client_parser() -> argparse.ArgumentParser:
 def client_main(argv: list[str] | None = None) -> int:
     from .client import LoraServeClient, LoraServeError
 
-    args = client_parser().parse_args(argv)
-    with LoraServeClient(args.target, timeout=args.timeout) as client:
+    from .client_channel import ClientTLS
+    from .security import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+
+    parser = client_parser()
+    args = parser.parse_args(argv)
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        try:
+            tls = ClientTLS.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        except (OSError, ValueError) as e:
+            parser.error(str(e))
+    token = args.token or os.environ.get(API_TOKEN_ENV) or None
+    admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    with LoraServeClient(args.target, timeout=args.timeout, token=token, admin_token=admin_token, tls=tls) as client:
         try:
             return _run_client_command(client, args)
         except LoraServeError as e:

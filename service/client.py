@@ -17,9 +17,11 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._proto import pb, pb_grpc
+from .client_channel import ClientTLS, bearer, open_channel
 from .client_errors import (  # noqa: F401 - re-exported: `from service.client import NotFoundError`
     CancelledError, DeadlineExceededError, FailedPreconditionError, FieldViolation, InternalError,
-    InvalidArgumentError, LoraServeError, NotFoundError, ResourceExhaustedError, UnavailableError, from_rpc_error,
+    InvalidArgumentError, LoraServeError, NotFoundError, PermissionDeniedError, ResourceExhaustedError,
+    UnauthenticatedError, UnavailableError, from_rpc_error,
 )
 
 _FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
@@ -157,9 +159,12 @@ _HEALTH_NAMES = {v: k for k, v in health_pb2.HealthCheckResponse.ServingStatus.i
 # --- blocking client --------------------------------------------------------------------------------
 class LoraServeClient:
     def __init__(self, target: str = "localhost:50051", *, timeout: float | None = None,
-                 channel: grpc.Channel | None = None, options: Sequence[tuple] = ()):
-        """`timeout`: default per-call deadline in seconds (None: none)."""
-        self._channel = channel or grpc.insecure_channel(target, options=list(options))
+                 channel: grpc.Channel | None = None, options: Sequence[tuple] = (),
+                 token: str | None = None, admin_token: str | None = None, tls: ClientTLS | None = None):
+        """`timeout`: default per-call deadline in seconds (None: none). `token`: bearer token for every
+        call; `admin_token`: for LoadAdapter / UnloadAdapter (default: `token`). `tls`: see ClientTLS."""
+        self._channel = channel or open_channel(target, tls, options)
+        self._metadata, self._admin_metadata = bearer(token), bearer(admin_token or token)
         self._generation = pb_grpc.GenerationStub(self._channel)
         self._adapters = pb_grpc.AdaptersStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -170,7 +175,7 @@ class LoraServeClient:
         """Stream chunks as the server produces them. Leaving the loop early cancels the request.
         `params`: see build_generate_request (adapter, max_new_tokens, temperature, stop, ...)."""
         call = self._generation.Generate(build_generate_request(prompt, **params),
-                                         timeout=self._timeout(timeout))
+                                         timeout=self._timeout(timeout), metadata=self._metadata)
         try:
             for msg in call:
                 yield chunk_from_proto(msg)
@@ -193,11 +198,12 @@ class LoraServeClient:
         return [_adapter_info(a) for a in self._unary(self._adapters.ListAdapters, pb.ListAdaptersRequest()).adapters]
 
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        resp = self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)))
+        resp = self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)),
+                           metadata=self._admin_metadata)
         return _adapter_info(resp.adapter)
 
     def unload_adapter(self, name: str) -> None:
-        self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+        self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name), metadata=self._admin_metadata)
 
     def health(self, service: str = "") -> str:
         """"SERVING", "NOT_SERVING", ... (grpc.health.v1) for the server or one service."""
@@ -216,9 +222,9 @@ class LoraServeClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.timeout
 
-    def _unary(self, method, request, timeout: float | None = None):
+    def _unary(self, method, request, timeout: float | None = None, metadata=None):
         try:
-            return method(request, timeout=self._timeout(timeout))
+            return method(request, timeout=self._timeout(timeout), metadata=metadata or self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -226,8 +232,10 @@ class LoraServeClient:
 # --- asyncio client ---------------------------------------------------------------------------------
 class AsyncLoraServeClient:
     def __init__(self, target: str = "localhost:50051", *, timeout: float | None = None,
-                 channel: grpc.aio.Channel | None = None, options: Sequence[tuple] = ()):
-        self._channel = channel or grpc.aio.insecure_channel(target, options=list(options))
+                 channel: grpc.aio.Channel | None = None, options: Sequence[tuple] = (),
+                 token: str | None = None, admin_token: str | None = None, tls: ClientTLS | None = None):
+        self._channel = channel or open_channel(target, tls, options, aio=True)
+        self._metadata, self._admin_metadata = bearer(token), bearer(admin_token or token)
         self._generation = pb_grpc.GenerationStub(self._channel)
         self._adapters = pb_grpc.AdaptersStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -236,7 +244,7 @@ class AsyncLoraServeClient:
     async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                        **params) -> AsyncIterator[GenerateChunk]:
         call = self._generation.Generate(build_generate_request(prompt, **params),
-                                         timeout=self._timeout(timeout))
+                                         timeout=self._timeout(timeout), metadata=self._metadata)
         try:
             async for msg in call:
                 yield chunk_from_proto(msg)
@@ -260,11 +268,13 @@ class AsyncLoraServeClient:
         return [_adapter_info(a) for a in resp.adapters]
 
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        resp = await self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)))
+        resp = await self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)),
+                                 metadata=self._admin_metadata)
         return _adapter_info(resp.adapter)
 
     async def unload_adapter(self, name: str) -> None:
-        await self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+        await self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name),
+                          metadata=self._admin_metadata)
 
     async def health(self, service: str = "") -> str:
         resp = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service))
@@ -282,8 +292,8 @@ class AsyncLoraServeClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.timeout
 
-    async def _unary(self, method, request, timeout: float | None = None):
+    async def _unary(self, method, request, timeout: float | None = None, metadata=None):
         try:
-            return await method(request, timeout=self._timeout(timeout))
+            return await method(request, timeout=self._timeout(timeout), metadata=metadata or self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None

@@ -78,9 +78,21 @@ class InternalError(LoraServeError):
     code = grpc.StatusCode.INTERNAL
 
 
+class UnauthenticatedError(LoraServeError):
+    """No bearer token, or a wrong one (see --api-token / --admin-token)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(LoraServeError):
+    """Not allowed on this server, whatever the token (e.g. --disable-adapter-management)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                                       FailedPreconditionError, UnavailableError, DeadlineExceededError,
-                                      CancelledError, InternalError)}
+                                      CancelledError, InternalError, UnauthenticatedError, PermissionDeniedError)}
 
 
 def _unpack(status: status_pb2.Status) -> list:

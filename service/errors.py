@@ -32,11 +32,19 @@ class ServiceError(Exception):
         return []
 
 
+MAX_REPORTED_VIOLATIONS = 16  # beyond this, one summary entry: status details travel in (size-limited) trailers
+
+
 class InvalidArgument(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, violations: list[FieldViolation]):
-        self.violations = list(violations)
+        violations = list(violations)
+        if len(violations) > MAX_REPORTED_VIOLATIONS:
+            rest = len(violations) - MAX_REPORTED_VIOLATIONS + 1
+            violations = violations[:MAX_REPORTED_VIOLATIONS - 1] + [
+                FieldViolation("(more)", f"{rest} more problems not listed")]
+        self.violations = violations
         super().__init__("; ".join(f"{v.field}: {v.description}" for v in self.violations))
 
     def details(self) -> list:
@@ -65,9 +73,13 @@ class QueueFull(ServiceError):
         super().__init__(f"the waiting queue is full ({waiting} requests); retry in {retry_after_s:g}s")
 
     def details(self) -> list:
-        delay = duration_pb2.Duration()
-        delay.FromNanoseconds(int(self.retry_after_s * 1e9))
-        return [error_details_pb2.RetryInfo(retry_delay=delay)]
+        return [_retry_info(self.retry_after_s)]
+
+
+def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(seconds * 1e9))
+    return error_details_pb2.RetryInfo(retry_delay=delay)
 
 
 class FailedPrecondition(ServiceError):
@@ -76,6 +88,37 @@ class FailedPrecondition(ServiceError):
 
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class MalformedRequest(ServiceError):
+    """The request bytes do not parse as the method's message (bad wire format, or a string field that is
+    not valid UTF-8: protobuf refuses those at parse time, before any handler runs)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message_type: str, reason: str):
+        super().__init__(f"the request does not parse as a {message_type} message: {reason}")
+
+
+class TooManyStreams(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, limit: int, retry_after_s: float):
+        self.retry_after_s = retry_after_s
+        super().__init__(f"too many open Generate streams (limit {limit}); retry in {retry_after_s:g}s")
+
+    def details(self) -> list:
+        return [_retry_info(self.retry_after_s)]
+
+
+class StreamStalled(ServiceError):
+    """The client stopped reading: generation was paused, and the reader took nothing for too long."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, seconds: float, pending: int):
+        super().__init__(f"the client did not read its stream for {seconds:g}s ({pending} responses "
+                         "waiting); the request was ended to free its slot")
 
 
 class EngineFailure(ServiceError):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 import grpc.aio
 
-from .errors import ServiceError, Unavailable, to_rpc_status
+from .errors import MalformedRequest, ServiceError, Unavailable, to_rpc_status
 
 API_PREFIX = "/loraserve.v1."  # health and reflection stay reachable while warming up or draining
 
@@ -29,6 +29,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(API_PREFIX):
             return handler
+        # grpc would answer a request that does not parse with UNKNOWN; parse here and refuse it properly.
+        handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary))
         if handler.unary_stream is not None:
@@ -47,6 +49,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 if (refusal := self._refusal()) is not None:
                     raise refusal
+                if isinstance(request, _Unparsable):
+                    raise MalformedRequest(request.message_type, request.reason)
                 return await behavior(request, context)
             except grpc.aio.AbortError:
                 raise
@@ -59,6 +63,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 if (refusal := self._refusal()) is not None:
                     raise refusal
+                if isinstance(request, _Unparsable):
+                    raise MalformedRequest(request.message_type, request.reason)
                 async for response in behavior(request, context):
                     yield response
             except grpc.aio.AbortError:
@@ -66,3 +72,25 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # noqa: BLE001
                 await context.abort_with_status(to_rpc_status(exc))
         return wrapper
+
+
+class _Unparsable:
+    """Stands in for a request whose bytes did not parse; the wrapped handler refuses it."""
+
+    def __init__(self, message_type: str, reason: str):
+        self.message_type, self.reason = message_type, reason
+
+
+def _lenient(deserialize):
+    if deserialize is None:
+        return None
+    message_type = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    name = message_type.full_name if message_type is not None else "request"
+
+    def parse(raw: bytes):
+        try:
+            return deserialize(raw)
+        except Exception as exc:  # noqa: BLE001 - google.protobuf.message.DecodeError (also for invalid UTF-8)
+            # "Error parsing message with type '...': String field had bad UTF-8" → the part after the type
+            return _Unparsable(name, str(exc).rpartition("': ")[2] or type(exc).__name__)
+    return parse

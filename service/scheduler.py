@@ -12,17 +12,25 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lora_compile import Engine, Sequence
+from lora_compile.errors import AdapterError
 
-from .errors import EngineFailure, QueueFull, Unavailable
+from .errors import EngineFailure, FailedPrecondition, QueueFull, StreamStalled, TooManyStreams, Unavailable
 from .output import OutputProcessor
 from .request import GenerationRequest, RequestOutput
+from .tracing import adapter_on_device
+
+if TYPE_CHECKING:
+    from lora_compile.engine import StepOutput
+
+    from .tracing import RequestTrace, Telemetry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,10 +40,19 @@ T = TypeVar("T")
 class SchedulerConfig:
     max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
     retry_after_s: float = 1.0  # RetryInfo sent with RESOURCE_EXHAUSTED
+    max_streams: int | None = None  # open Generate streams (None: max_batch_size + max_queue)
+    # Backpressure: a request whose reader is this many responses behind is not stepped (it keeps its slots)
+    # until the reader catches up, so a client that stops reading costs memory for at most this many.
+    max_pending_outputs: int = 64
+    stall_timeout_s: float = 60.0  # ... and if it stays that far behind this long, it is ended
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_streams is not None and self.max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
+        if self.max_pending_outputs < 1 or self.stall_timeout_s <= 0:
+            raise ValueError("max_pending_outputs must be >= 1 and stall_timeout_s > 0")
 
 
 @dataclass(eq=False)
@@ -48,9 +65,15 @@ class RequestState:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | ServiceError
     aborted: bool = False   # the client went away (cancel, deadline, stream closed)
     done: bool = False      # the last output (or an error) is on the queue
+    closed: bool = False    # the handler is gone; no longer counted as an open stream
+    paused_since: float | None = None  # not stepped: the reader is max_pending_outputs behind (monotonic s)
+    on_read: Callable[[], None] | None = None  # wakes the scheduler when a paused request is read again
+    trace: RequestTrace | None = None  # only while tracing
 
     async def next_output(self) -> RequestOutput:
         item = await self.outputs.get()
+        if self.paused_since is not None and self.on_read is not None:
+            self.on_read()
         if isinstance(item, BaseException):
             raise item
         return item
@@ -67,12 +90,15 @@ class _IterationResult:
     rejected: list[tuple[RequestState, Exception]]
     stepped: list[RequestState]
     step_error: Exception | None = None
+    step: StepOutput | None = None
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig()):
+    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(),
+                 telemetry: Telemetry | None = None):
         self.engine = engine
         self.config = config
+        self.telemetry = telemetry  # None: tracing off (the only check on the hot path)
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []
         self._to_release: list[Sequence] = []   # engine.release at the start of the next iteration
@@ -82,6 +108,8 @@ class EngineRunner:
         self._task: asyncio.Task | None = None
         self._accepting = True
         self._idle: asyncio.Event | None = None
+        self._open_streams = 0  # add_request .. abort: handlers still streaming, finished or not
+        self.max_streams = config.max_streams or engine.config.max_batch_size + config.max_queue
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -129,12 +157,18 @@ class EngineRunner:
         in_flight = len(self._waiting) + len(self._running)
         if in_flight >= self.engine.config.max_batch_size + self.config.max_queue:
             raise QueueFull(max(0, in_flight - self.engine.config.max_batch_size), self.config.retry_after_s)
+        if self._open_streams >= self.max_streams:  # includes finished streams still flushing to slow readers
+            raise TooManyStreams(self.max_streams, self.config.retry_after_s)
 
-    def add_request(self, request: GenerationRequest) -> RequestState:
+    def add_request(self, request: GenerationRequest, trace: RequestTrace | None = None) -> RequestState:
         self.check_capacity()
         seq = Sequence(seq_id=next(self._seq_ids), prompt_ids=list(request.prompt_ids),
                        sampling=request.sampling, adapter=request.adapter)
-        state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop))
+        state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop), trace=trace)
+        if trace is not None:
+            trace.queued(request)
+        state.on_read = self._wake
+        self._open_streams += 1
         self._waiting.append(state)
         self._idle.clear()
         self._wake()
@@ -142,6 +176,9 @@ class EngineRunner:
 
     def abort(self, state: RequestState) -> None:
         """The client is gone: drop the request; its slots are freed within one step."""
+        if not state.closed:
+            state.closed = True
+            self._open_streams -= 1
         if not state.aborted:
             state.aborted = True
             state.done = True
@@ -158,6 +195,14 @@ class EngineRunner:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_open_streams(self) -> int:
+        return self._open_streams
+
+    @property
+    def num_paused(self) -> int:
+        return sum(1 for s in self._running if s.paused_since is not None)
 
     # --- the loop -----------------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -179,15 +224,37 @@ class EngineRunner:
             candidates = list(itertools.islice(self._waiting, max(0, free)))
             try:
                 result = await loop.run_in_executor(
-                    self._executor, self._engine_iteration, to_release, candidates, list(self._running))
+                    self._executor, self._engine_iteration, to_release, candidates, self._steppable())
                 self._apply(result)
             except Exception:  # noqa: BLE001 - a scheduler bug must not leave every stream hanging
                 log.exception("scheduler iteration failed; failing all in-flight requests")
                 self._fail_all(EngineFailure("scheduler failure; see the server log"))
                 continue
             if not result.stepped and not to_release and not result.admitted and not result.rejected:
-                # Nothing could be admitted and nothing runs (should not happen): do not spin.
-                await asyncio.sleep(0.01)
+                # Nothing to step (every running request is paused for its reader) and nothing admissible:
+                # sleep until a reader, a new request or an abort wakes us, or it is time to check stalls.
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), min(0.5, self.config.stall_timeout_s / 4))
+                except asyncio.TimeoutError:
+                    pass
+
+    def _steppable(self) -> list[RequestState]:
+        """The running requests to step now: not those whose reader is max_pending_outputs behind
+        (backpressure); one that stays paused longer than stall_timeout_s is ended (and released)."""
+        now, limit = time.monotonic(), self.config.max_pending_outputs
+        out = []
+        for state in self._running:
+            if state.outputs.qsize() < limit:
+                state.paused_since = None
+                out.append(state)
+            elif state.paused_since is None:
+                state.paused_since = now
+            elif now - state.paused_since > self.config.stall_timeout_s and not state.aborted:
+                log.warning("request %s: client not reading for %.0fs; ending it",
+                            state.request.request_id, now - state.paused_since)
+                state.finish_with(StreamStalled(self.config.stall_timeout_s, state.outputs.qsize()))
+                state.aborted = True  # swept and released next iteration
+        return out
 
     def _fail_all(self, error: Exception) -> None:
         for state in [*self._waiting, *self._running]:
@@ -213,17 +280,22 @@ class EngineRunner:
             if state.aborted:
                 result.rejected.append((state, None))  # dropped; nothing to report to anyone
                 continue
+            trace = state.trace
+            if trace is not None:  # tracing: time the admission, and whether it loaded the adapter
+                admit_ns, resident = time.time_ns(), adapter_on_device(self.engine, state.seq.adapter)
             try:
                 if not self.engine.try_admit(state.seq):
                     break  # FIFO: nobody overtakes the head of the queue
             except Exception as exc:  # noqa: BLE001 - e.g. the adapter was unloaded while it waited
                 result.rejected.append((state, exc))
                 continue
+            if trace is not None:
+                trace.admitted(admit_ns, time.time_ns(), adapter_loaded=not resident)
             result.admitted.append(state)
         result.stepped = [s for s in running if not s.aborted] + result.admitted
         if result.stepped:
             try:
-                self.engine.step([s.seq for s in result.stepped])
+                result.step = self.engine.step([s.seq for s in result.stepped])
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 log.exception("engine step failed; failing its %d requests", len(result.stepped))
                 result.step_error = exc
@@ -234,9 +306,16 @@ class EngineRunner:
         handled = {id(s) for s in result.admitted} | {id(s) for s, _ in result.rejected}
         self._waiting = deque(s for s in self._waiting if id(s) not in handled)
         for state, exc in result.rejected:
+            if isinstance(exc, AdapterError):  # its files changed since registration (re-read after eviction)
+                exc = FailedPrecondition(f"adapter {state.request.adapter!r} can no longer be loaded: {exc}")
             if exc is not None:  # engine errors (e.g. AdapterNotFoundError) map to statuses in errors.py
                 state.finish_with(exc)
         self._running.extend(result.admitted)
+        if self.telemetry is not None:
+            # Spans from the engine thread's timestamps, built on the loop once the next step is under way
+            # (call_soon: after _loop has handed the next iteration to the engine thread; before the streams).
+            asyncio.get_running_loop().call_soon(
+                self.telemetry.on_iteration, result.admitted, result.stepped, result.step)
         if result.step_error is not None:
             error = EngineFailure(f"engine step failed: {type(result.step_error).__name__}: {result.step_error}")
             for state in result.stepped:

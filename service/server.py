@@ -17,8 +17,11 @@ from lora_compile import Engine
 
 from ._proto import pb, pb_grpc
 from .interceptors import ErrorInterceptor, ServingState
+from .limits import RequestLimits
 from .scheduler import EngineRunner, SchedulerConfig
+from .security import AuthInterceptor, SecurityConfig
 from .servicers import AdaptersServicer, GenerationServicer
+from .tracing import Telemetry, TracingInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -32,28 +35,38 @@ class ServerConfig:
     max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
     retry_after_s: float = 1.0  # RetryInfo.retry_delay with RESOURCE_EXHAUSTED
     grace_period_s: float = 30.0  # drain: how long in-flight streams may take to finish
+    limits: RequestLimits = RequestLimits()      # prompt / new tokens / streams / message size / backpressure
+    security: SecurityConfig = SecurityConfig()  # tokens, adapter management, TLS
 
     @property
     def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(max_queue=self.max_queue, retry_after_s=self.retry_after_s)
+        return SchedulerConfig(max_queue=self.max_queue, retry_after_s=self.retry_after_s,
+                               max_streams=self.limits.max_concurrent_streams,
+                               max_pending_outputs=self.limits.max_pending_outputs,
+                               stall_timeout_s=self.limits.stall_timeout_s)
 
 
 class LoraServer:
     """start() → warmup() → (serving) → drain() → stopped. Health is NOT_SERVING except while serving."""
 
-    def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
+    def __init__(self, engine: Engine, config: ServerConfig = ServerConfig(), telemetry: Telemetry | None = None):
         self.engine = engine
         self.config = config
+        self.telemetry = telemetry  # None: tracing off (see tracing.py)
         self.state = ServingState.WARMING_UP
-        self.runner = EngineRunner(engine, config.scheduler)
+        self.runner = EngineRunner(engine, config.scheduler, telemetry)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._stopped = False
         self._server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(lambda: self.state)],
-            options=[("grpc.so_reuseport", 0)],  # a second server on a taken port must fail, not share it
+            # Tracing first (outermost): its server span also covers refusals by the others.
+            interceptors=[*([TracingInterceptor(telemetry)] if telemetry is not None else []),
+                          AuthInterceptor(config.security), ErrorInterceptor(lambda: self.state)],
+            options=[("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+                     ("grpc.max_receive_message_length", config.limits.max_message_bytes)],
         )
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, self.runner), self._server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, self.runner, config.limits),
+                                                 self._server)
         pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(engine, self.runner), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -65,7 +78,9 @@ class LoraServer:
 
     async def start(self) -> int:
         """Bind and accept calls (health answers NOT_SERVING until warm-up is done). Returns the port."""
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address, tls = f"{self.config.host}:{self.config.port}", self.config.security.tls
+        self.port = (self._server.add_secure_port(address, tls.server_credentials()) if tls
+                     else self._server.add_insecure_port(address))
         if not self.port:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -109,10 +124,14 @@ class LoraServer:
             await self.health.set(name, status)
 
 
-async def serve(engine: Engine, config: ServerConfig, on_ready: Callable[[LoraServer], None] | None = None) -> bool:
+async def serve(engine: Engine, config: ServerConfig, on_ready: Callable[[LoraServer], None] | None = None,
+                telemetry: Telemetry | None = None) -> bool:
     """Run until SIGTERM/SIGINT, then drain. Returns True if the drain was clean."""
-    server = LoraServer(engine, config)
+    server = LoraServer(engine, config, telemetry)
     await server.start()
+    if config.security.management_is_open() and config.host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        log.warning("adapter management (LoadAdapter/UnloadAdapter) is open to anyone who can reach %s; "
+                    "set --admin-token or --disable-adapter-management", server.address)
     log.info("listening on %s; warming up%s...", server.address,
              " (compiling the model's graphs; a cold start can take minutes)" if engine.config.compile else "")
     try:

@@ -9,11 +9,14 @@ import grpc
 
 from lora_compile import Engine
 
+from . import tracing
 from ._proto import pb, pb_grpc
 from .errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from .limits import RequestLimits
 from .request import RequestOutput
 from .scheduler import EngineRunner
-from .validation import Limits, validate_generate
+from .security import check_adapter_path
+from .validation import MAX_NAME_CHARS, Limits, validate_generate
 
 log = logging.getLogger(__name__)
 
@@ -22,17 +25,21 @@ _FINISH_REASONS = {
     "eos": pb.FINISH_REASON_EOS, "cancelled": pb.FINISH_REASON_CANCELLED,
 }
 _TOKENIZE_IN_THREAD_CHARS = 16_384  # longer texts are tokenized off the event loop
+_MAX_PATH_CHARS = 4096
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, runner: EngineRunner):
+    def __init__(self, engine: Engine, runner: EngineRunner, limits: RequestLimits = RequestLimits()):
         self._engine = engine
         self._runner = runner
         tokenizer_vocab = engine.tokenizer.vocab_size
         self._limits = Limits(vocab_size=min(engine.model_config.vocab_size, tokenizer_vocab),
-                              max_seq_len=engine.config.max_seq_len)
+                              max_seq_len=engine.config.max_seq_len, max_prompt_tokens=limits.max_prompt_tokens,
+                              max_new_tokens=limits.max_new_tokens)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        # Tracing on: the request span, under the interceptor's server span (it ends both with the status).
+        trace = tracing.start_request(request, self._engine) if self._runner.telemetry is not None else None
         self._runner.check_capacity()  # RESOURCE_EXHAUSTED / UNAVAILABLE before any work
         prompt_ids = None
         if request.WhichOneof("input") == "text":
@@ -40,12 +47,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         req = validate_generate(request, prompt_ids, self._limits)
         if req.adapter is not None and req.adapter not in self._engine.adapters:
             raise NotFound("adapter", req.adapter)
-        state = self._runner.add_request(req)
+        state = self._runner.add_request(req, trace)
         # Cancellation, deadline or a closed stream: the runner drops the request within one step.
         context.add_done_callback(lambda _ctx: self._runner.abort(state))
         try:
             while True:
                 out = await state.next_output()
+                if trace is not None and out.finished:
+                    trace.finished(out)
                 yield _response(req.request_id, out)
                 if out.finished:
                     return
@@ -85,13 +94,20 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
         bad = [FieldViolation(f, "must not be empty") for f in ("name", "path") if not getattr(request, f)]
+        bad += [FieldViolation(f, f"at most {n} characters") for f, n in (("name", MAX_NAME_CHARS),
+                                                                          ("path", _MAX_PATH_CHARS))
+                if len(getattr(request, f)) > n]
         if bad:
             raise InvalidArgument(bad)
+        check_adapter_path(request.path, self._engine.adapters.roots)  # a precise message for escapes
         if self._runner.adapter_users(request.name):
             raise FailedPrecondition(f"adapter {request.name!r} is in use by in-flight requests; "
                                      "it cannot be replaced now")
         # Reading and validating the files is slow: a plain thread, so steps (and streams) go on meanwhile.
-        info = await asyncio.to_thread(self._engine.adapters.register, request.name, request.path)
+        try:
+            info = await asyncio.to_thread(self._engine.adapters.register, request.name, request.path)
+        except OSError as e:  # e.g. a name too long for the filesystem, or no permission to read
+            raise FailedPrecondition(f"cannot read adapter directory {request.path!r}: {e.strerror or e}") from e
         log.info("loaded adapter %s from %s (rank %d)", info.name, info.path, info.rank)
         return pb.LoadAdapterResponse(adapter=self._info(info))
 
@@ -99,6 +115,8 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
         name = request.name
         if not name:
             raise InvalidArgument([FieldViolation("name", "must not be empty")])
+        if len(name) > MAX_NAME_CHARS:
+            raise InvalidArgument([FieldViolation("name", f"at most {MAX_NAME_CHARS} characters")])
         if name not in self._engine.adapters:
             raise NotFound("adapter", name)
         users = self._runner.adapter_users(name)

@@ -1,0 +1,144 @@
+"""Tracing overhead: steady decode throughput through the gRPC server, tracing off vs on, and the per-step
+batch-init share read back from the exported engine.step spans.
+
+    python -m benchmarks.tracing [--batch 32] [--new-tokens 48] [--rounds 3] [--adapters 4] [--no-compile]
+
+Two servers share one engine (SmolLM2-135M-shaped, benchmarks.engine's limits) and take turns: off, on,
+off, on, ... "On" exports spans and metrics over OTLP/gRPC to an in-process receiver, so building and
+exporting spans is inside the measurement and the network is not. Requests cycle through the base model
+and rank-16 adapters on all projections.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+import grpc.aio
+import torch
+
+from benchmarks.common import smollm2_checkpoint, write_lora_adapter
+from benchmarks.engine import LIMITS
+from lora_compile import Engine, EngineConfig
+from service._proto import pb, pb_grpc
+from service.otlp import GrpcReceiver, OtlpSink
+from service.server import LoraServer, ServerConfig
+from service.trace_summary import batch_init_share, format_step_stats, step_times
+from service.tracing import setup_telemetry
+
+PROMPT_LEN = 32
+
+
+async def decode_throughput(port: int, batch: int, new_tokens: int, adapters: list[str | None]) -> float:
+    """Tokens/s streamed once every request has its first token (all `batch` decode together)."""
+    firsts: list[float] = []
+    arrivals: list[tuple[float, int]] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def one(i: int) -> None:
+            req = pb.GenerateRequest(adapter=adapters[i % len(adapters)] or "")
+            req.token_ids.ids.extend((7 * i + j) % 500 + 3 for j in range(PROMPT_LEN))
+            req.stopping.max_new_tokens = new_tokens
+            req.stopping.ignore_eos = True
+            first = True
+            async for msg in stub.Generate(req):
+                now = time.perf_counter()
+                if first:
+                    firsts.append(now)
+                    first = False
+                else:
+                    arrivals.append((now, len(msg.token_ids)))
+
+        await asyncio.gather(*(one(i) for i in range(batch)))
+    start = max(firsts)
+    after = [(t, n) for t, n in arrivals if t > start]
+    return sum(n for _, n in after) / (max(t for t, _ in after) - start)
+
+
+def _time_span_building(telemetry) -> list:
+    """Wrap Telemetry.on_iteration (the per-step tracing work on the event loop): [seconds, calls]."""
+    spent = [0.0, 0]
+    inner = telemetry.on_iteration
+
+    def timed(*args) -> None:
+        t0 = time.perf_counter()
+        inner(*args)
+        spent[0] += time.perf_counter() - t0
+        spent[1] += 1
+
+    telemetry.on_iteration = timed
+    return spent
+
+
+async def run(args: argparse.Namespace) -> None:
+    model = smollm2_checkpoint()
+    engine = Engine(EngineConfig(model=str(model), compile=not args.no_compile, **LIMITS))
+    adapters: list[str | None] = [None]
+    for i in range(args.adapters):
+        path = write_lora_adapter(model, model.parent / f"lora-r16-{i}", rank=16, seed=100 + i)
+        engine.adapters.register(f"lora{i}", str(path))
+        adapters.append(f"lora{i}")
+
+    sink = OtlpSink()
+    receiver = GrpcReceiver(sink)
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+    os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "grpc"
+    os.environ.setdefault("OTEL_SERVICE_NAME", "lora-serve-bench")
+    telemetry = setup_telemetry()
+    loop_cost = _time_span_building(telemetry)
+    off = LoraServer(engine, ServerConfig(port=0))
+    on = LoraServer(engine, ServerConfig(port=0), telemetry)
+    for server in (off, on):
+        await server.start()
+    t0 = time.perf_counter()
+    for server in (off, on):
+        await server.warmup()  # the engine compiles once; the second is a no-op that flips health
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {model.name} "
+          f"({'eager' if args.no_compile else 'compiled'}, warm-up {time.perf_counter() - t0:.0f}s); "
+          f"batch {args.batch}, prompt {PROMPT_LEN}, {args.new_tokens} new tokens; "
+          f"base + {args.adapters} rank-16 adapters", flush=True)
+
+    results: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for r in range(args.rounds + 1):  # round 0 warms up caches and is dropped
+            for name, server in (("off", off), ("on", on)):
+                tput = await decode_throughput(server.port, args.batch, args.new_tokens, adapters)
+                if r:
+                    results[name].append(tput)
+        await asyncio.to_thread(telemetry.force_flush)
+    finally:
+        for server in (off, on):
+            await server.stop()
+    t_off, t_on = statistics.median(results["off"]), statistics.median(results["on"])
+    print(f"decode tok/s, median of {args.rounds} interleaved rounds: tracing off {t_off:.1f}, "
+          f"on {t_on:.1f} ({100 * (t_on - t_off) / t_off:+.1f}%)  [off: {', '.join(f'{x:.0f}' for x in results['off'])}; "
+          f"on: {', '.join(f'{x:.0f}' for x in results['on'])}]")
+    seconds, calls = loop_cost
+    mean_step = statistics.mean(s.total for s in step_times(sink.spans()))
+    print(f"building spans on the event loop after each step: {1e6 * seconds / calls:.0f} us per step "
+          f"({calls} steps; {100 * seconds / calls / mean_step:.2f}% of the mean step)")
+    steps = step_times(sink.spans(), batch_size=args.batch)
+    print(f"\nengine.step spans at batch {args.batch}, as received over OTLP "
+          f"(batch-init share {100 * batch_init_share(steps):.1f}%):")
+    print(format_step_stats(steps))
+    telemetry.shutdown()
+    receiver.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
+    p.add_argument("--adapters", type=int, default=4, help="distinct adapters, besides the base model")
+    p.add_argument("--no-compile", action="store_true")
+    args = p.parse_args()
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

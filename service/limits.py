@@ -1,0 +1,32 @@
+"""Operator limits on requests and streams (flags of the same names; see docs/operations.md).
+
+All of them are checked before a request gets any work: a request over a limit is refused at once
+(INVALID_ARGUMENT for the request's own fields, RESOURCE_EXHAUSTED for server capacity).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # a 1 MiB request holds far more prompt than any context here
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_prompt_tokens: int | None = None       # None: max_seq_len - 1
+    max_new_tokens: int | None = None          # None: the rest of the context (max_seq_len - prompt)
+    max_concurrent_streams: int | None = None  # open Generate streams; None: max_batch_size + max_queue
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest request message (grpc.max_receive_message_length)
+    max_pending_outputs: int = 64              # responses buffered for a slow reader before its request pauses
+    stall_timeout_s: float = 60.0              # a request paused that long for its reader is ended
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent_streams"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_pending_outputs < 1:
+            raise ValueError(f"max_pending_outputs must be >= 1, got {self.max_pending_outputs}")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")

@@ -1,0 +1,144 @@
+"""Who may call what: bearer tokens (generation vs adapter management), TLS / mutual TLS, adapter roots.
+
+Policy (see docs/operations.md):
+- health and reflection are always open (load balancers and grpcurl need them);
+- Generation.* and Adapters.ListAdapters need `api_token` when it is set (the admin token works too);
+- Adapters.LoadAdapter / UnloadAdapter are PERMISSION_DENIED when management is disabled; otherwise they
+  need `admin_token`, or `api_token` when only that is set (management is never less protected than
+  generation), or nothing when neither is set.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from .errors import FieldViolation, InvalidArgument
+
+API_PREFIX = "/loraserve.v1."
+ADMIN_METHODS = frozenset({"/loraserve.v1.Adapters/LoadAdapter", "/loraserve.v1.Adapters/UnloadAdapter"})
+ADMIN_TOKEN_ENV = "LORA_SERVE_ADMIN_TOKEN"
+API_TOKEN_ENV = "LORA_SERVE_API_TOKEN"
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert_file: str                     # PEM certificate chain of the server
+    key_file: str                      # PEM private key
+    client_ca_file: str | None = None  # set: mutual TLS, clients need a certificate signed by this CA
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        key, cert = Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes()
+        client_ca = Path(self.client_ca_file).read_bytes() if self.client_ca_file else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                           require_client_auth=client_ca is not None)
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    api_token: str | None = None     # bearer token for Generation.* and ListAdapters
+    admin_token: str | None = None   # bearer token for LoadAdapter / UnloadAdapter
+    disable_adapter_management: bool = False
+    tls: TlsConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("api_token", "admin_token"):
+            token = getattr(self, name)
+            if token is not None and (not token or token != token.strip() or not token.isprintable()):
+                raise ValueError(f"{name} must be a non-empty printable string without surrounding spaces")
+
+    def management_is_open(self) -> bool:
+        return not self.disable_adapter_management and self.admin_token is None and self.api_token is None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Runs first: a refused call never reaches a handler (nor learns whether the server is warming up)."""
+
+    def __init__(self, config: SecurityConfig):
+        self._config = config
+        self._api = _tokens(config.api_token, config.admin_token) if config.api_token else None
+        admin = config.admin_token or config.api_token
+        self._admin = _tokens(admin) if admin else None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(API_PREFIX):
+            return handler
+        refusal = self._check(method, handler_call_details.invocation_metadata)
+        return handler if refusal is None else _refusing(handler, *refusal)
+
+    def _check(self, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
+        if method in ADMIN_METHODS:
+            if self._config.disable_adapter_management:
+                return (grpc.StatusCode.PERMISSION_DENIED,
+                        "adapter management is disabled on this server (--disable-adapter-management)")
+            accepted = self._admin
+        else:
+            accepted = self._api
+        if accepted is None:
+            return None
+        header = next((v for k, v in metadata or () if k == "authorization"), None)
+        if header is None:
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    "missing credentials: send metadata 'authorization: Bearer <token>'")
+        if isinstance(header, bytes):
+            header = header.decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        # Compare with every accepted token, each in constant time, so timing says nothing about which.
+        matches = [hmac.compare_digest(token.strip().encode(), t) for t in accepted]
+        if scheme.lower() != "bearer" or not any(matches):
+            kind = "adapter management" if method in ADMIN_METHODS else "this method"
+            return grpc.StatusCode.UNAUTHENTICATED, f"invalid bearer token for {kind}"
+        return None
+
+
+def _tokens(*tokens: str | None) -> tuple[bytes, ...]:
+    return tuple(t.encode() for t in tokens if t)
+
+
+def _refusing(handler, code: grpc.StatusCode, message: str):
+    async def refuse_unary(request, context):
+        await context.abort(code, message)
+
+    async def refuse_stream(request, context):
+        await context.abort(code, message)
+        yield  # unreachable: makes this an async generator, as the stream handler it replaces
+
+    if handler.unary_unary is not None:
+        return handler._replace(unary_unary=refuse_unary)
+    if handler.unary_stream is not None:
+        return handler._replace(unary_stream=refuse_stream)
+    return handler
+
+
+def check_adapter_path(path: str, roots: tuple[str, ...]) -> None:
+    """INVALID_ARGUMENT (field "path") for a LoadAdapter path outside the adapter roots, saying exactly why.
+    The engine checks again when it reads the files (also after eviction), so this is the message, not the
+    only guard."""
+    if "\x00" in path:
+        raise InvalidArgument([FieldViolation("path", "must not contain NUL characters")])
+    try:
+        given = Path(path).expanduser()
+    except RuntimeError:  # "~someone/..." where there is no such user
+        raise InvalidArgument([FieldViolation("path", f"{path!r}: '~' cannot be expanded (no such user)")]) from None
+    if not roots:
+        return
+    resolved = given.resolve()
+    root_dirs = [Path(r).expanduser().resolve() for r in roots]
+    if any(resolved.is_relative_to(r) for r in root_dirs):
+        return
+    lexical = Path(os.path.normpath(given.absolute()))  # ".." folded, symlinks not followed
+    if ".." in given.parts:
+        why = f"{path!r} leaves the adapter roots through '..' (it resolves to {resolved})"
+    elif any(lexical.is_relative_to(r) for r in root_dirs):
+        why = f"{path!r} is under an adapter root but a symlink takes it to {resolved}, outside every root"
+    elif given.is_absolute():
+        why = f"absolute path {path!r} is outside the adapter roots"
+    else:
+        why = f"relative path {path!r} resolves to {resolved}, outside the adapter roots"
+    raise InvalidArgument([FieldViolation("path", f"{why}; allowed roots: {', '.join(map(str, root_dirs))}")])

@@ -1,0 +1,347 @@
+"""Faults: adapter files damaged after registration, an engine step that raises, a client that stops reading,
+and SIGTERM while a real server process is busy. Each: the affected requests get a clear status, the others
+carry on, and nothing stays allocated."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lora_compile import Engine, EngineConfig
+from service._proto import pb, pb_grpc
+from service.client import (FailedPreconditionError, InternalError, InvalidArgumentError, LoraServeClient,
+                            UnauthenticatedError)
+from service.limits import RequestLimits
+from service.server import ServerConfig
+from service.validation import Limits, validate_generate
+from tests.client_loop import ClientLoop
+from tests.service_harness import LIMITS, ServerThread, demo_paths, shared_engine, wait_for
+from tests.test_service_process import ServeProcess
+
+WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
+REPORT_DIR = Path(os.environ.get("LORA_SERVE_RELIABILITY_DIR", Path(__file__).resolve().parents[1] / ".cache" / "reliability"))
+
+
+class Streaming:
+    """One stream consumed in a thread while the test does something else; .result() joins."""
+
+    def __init__(self, server: ServerThread, prompt, **params):
+        self.chunks, self.error = [], None
+        self._client = server.client()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(prompt, params), daemon=True)
+        self._thread.start()
+        assert self._started.wait(30), "stream did not start"
+
+    def _run(self, prompt, params):
+        try:
+            for chunk in self._client.generate(prompt, **params):
+                self.chunks.append(chunk)
+                self._started.set()
+        except Exception as e:  # noqa: BLE001 - surfaced by result()
+            self.error = e
+            self._started.set()
+
+    def result(self) -> list[int]:
+        self._thread.join(60)
+        self._client.close()
+        if self.error is not None:
+            raise self.error
+        return [t for c in self.chunks for t in c.token_ids]
+
+
+# --- adapter files damaged after registration -------------------------------------------------------
+def _wrong_shape(path: Path) -> None:
+    tensors = load_file(str(path))
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0], 100)
+    save_file(tensors, str(path))
+
+
+DAMAGE = {  # how: (damage the adapter directory, a fragment of the status message)
+    "garbage": (lambda d: (d / WEIGHTS).write_bytes(os.urandom((d / WEIGHTS).stat().st_size)),
+                "not a readable safetensors file"),
+    "truncated": (lambda d: (d / WEIGHTS).write_bytes((d / WEIGHTS).read_bytes()[:1000]),
+                  "not a readable safetensors file"),
+    "wrong shape": (lambda d: _wrong_shape(d / WEIGHTS), "do not fit the base model"),
+    "deleted": (lambda d: (d / WEIGHTS).unlink(), "is missing"),
+    "bad config": (lambda d: (d / CONFIG).write_text("{"), "is not valid JSON"),
+}
+
+
+@pytest.fixture(scope="module")
+def small_cache():
+    """An engine that keeps ONE adapter in host memory and one on the device, so using another adapter
+    evicts the first from both and its next use reads its files again."""
+    model, _ = demo_paths()
+    engine = Engine(EngineConfig(model=str(model), **(LIMITS | dict(max_loras_per_batch=1, max_cpu_loras=1))))
+    server = ServerThread(engine)
+    yield server
+    server.stop()
+
+
+def test_adapter_files_damaged_after_registration(small_cache, tmp_path):
+    server, engine = small_cache, small_cache.engine
+    _, adapters = demo_paths()
+    pristine = tmp_path / "pristine"
+    shutil.copytree(adapters["pirate"], pristine)
+    server.in_engine_thread(engine.adapters.register, "evictor", str(adapters["poet"]))
+    tok = engine.tokenizer
+    prompt = tok.encode("Once upon a time")
+    base_reference = server.reference(prompt, None, 80, ignore_eos=True)
+    victim_reference = None
+    for how, (damage, says) in DAMAGE.items():
+        victim = tmp_path / how.replace(" ", "-")
+        shutil.copytree(pristine, victim)
+        server.in_engine_thread(engine.adapters.register, "victim", str(victim))
+        if victim_reference is None:
+            victim_reference = server.reference(prompt, "victim", 8, ignore_eos=True)
+        with server.client() as client:  # evict "victim" from the device slot and from host memory
+            client.complete(prompt, adapter="evictor", max_new_tokens=1)
+        damage(victim)
+
+        base = Streaming(server, prompt, max_new_tokens=80, ignore_eos=True)
+        with server.client() as client, pytest.raises(FailedPreconditionError) as info:
+            client.complete(prompt, adapter="victim", max_new_tokens=8, ignore_eos=True)
+        assert "adapter 'victim' can no longer be loaded" in info.value.message, how
+        assert says in info.value.message, (how, info.value.message)
+        assert base.result() == base_reference, how  # the others carry on
+        server.wait_idle()  # nothing left allocated
+
+        shutil.rmtree(victim)  # repaired: the next request reads the files again and works
+        shutil.copytree(pristine, victim)
+        with server.client() as client:
+            assert client.complete(prompt, adapter="victim", max_new_tokens=8, ignore_eos=True).token_ids == \
+                victim_reference, how
+        server.wait_idle()
+
+
+# --- engine failures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served():
+    server = ServerThread(shared_engine())
+    yield server
+    server.stop()
+
+
+def test_engine_step_failure_fails_that_step_and_frees_every_slot(served, monkeypatch):
+    engine, runner = served.engine, served.server.runner
+    start = (engine.num_free_kv_slots, engine.adapters.num_free_slots)
+    real_step, failed = engine.step, threading.Event()
+
+    def flaky_step(seqs, *args, **kwargs):
+        if len(seqs) >= 4 and not failed.is_set():  # once, with all four streams in the batch
+            failed.set()
+            raise RuntimeError("simulated device error")
+        return real_step(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    streams = [Streaming(served, "The river", adapter=a, max_new_tokens=200, ignore_eos=True)
+               for a in (None, "pirate", "poet", None)]
+    for s in streams:
+        with pytest.raises(InternalError, match="simulated device error"):
+            s.result()
+    assert failed.is_set()
+    monkeypatch.undo()
+    served.wait_idle()
+    assert (engine.num_free_kv_slots, engine.adapters.num_free_slots) == start
+    wait_for(lambda: runner.num_open_streams == 0, what="every stream handler to end")
+    want = served.reference(engine.tokenizer.encode("The river"), "pirate", 12, ignore_eos=True)
+    with served.client() as client:
+        assert client.complete("The river", adapter="pirate", max_new_tokens=12, ignore_eos=True).token_ids == want
+
+
+def test_admission_failure_fails_only_that_request(served, monkeypatch):
+    """try_admit raising something unexpected: INTERNAL for that request, the rest go on, nothing leaks."""
+    engine = served.engine
+    real_admit = engine.try_admit
+
+    def admit(seq):
+        if seq.adapter == "scribe":
+            raise RuntimeError("simulated admission bug")
+        return real_admit(seq)
+
+    monkeypatch.setattr(engine, "try_admit", admit)
+    base = Streaming(served, "Once upon a time", max_new_tokens=40, ignore_eos=True)
+    with served.client() as client, pytest.raises(InternalError, match="simulated admission bug"):
+        client.complete("Hi", adapter="scribe", max_new_tokens=4)
+    assert len(base.result()) == 40
+    monkeypatch.undo()
+    served.wait_idle()
+
+
+# --- a client that stops reading --------------------------------------------------------------------
+def test_reader_that_stops_reading_pauses_then_ends():
+    """Backpressure: a request is not stepped while its reader is max_pending_outputs responses behind
+    (memory per stream is bounded, the slot is kept); resumed when the reader reads; ended with
+    RESOURCE_EXHAUSTED (and its slots freed) if the reader stays away for stall_timeout_s."""
+    pending, stall = 4, 1.0
+    server = ServerThread(shared_engine(), ServerConfig(
+        port=0, limits=RequestLimits(max_pending_outputs=pending, stall_timeout_s=stall)))
+    engine, runner = server.engine, server.server.runner
+    limits = Limits(vocab_size=512, max_seq_len=256)
+    prompt = engine.tokenizer.encode("The river")
+    reference = server.reference(prompt, "poet", 40, ignore_eos=True)
+
+    def request():
+        msg = pb.GenerateRequest(adapter="poet", token_ids=pb.TokenIds(ids=prompt))
+        msg.stopping.max_new_tokens, msg.stopping.ignore_eos = 40, True
+        return validate_generate(msg, None, limits)
+
+    async def add():
+        return runner.add_request(request())
+
+    async def close(state):  # what the handler does when it returns; the responses it did not send
+        runner.abort(state)
+        return [state.outputs.get_nowait() for _ in range(state.outputs.qsize())]
+
+    try:
+        # A reader that reads nothing: generation stops at `pending` responses and stays there.
+        state = server.run(add())
+        wait_for(lambda: state.paused_since is not None, what="the request to pause")
+        time.sleep(0.3)
+        assert state.outputs.qsize() == pending and len(state.seq.output_ids) == pending
+        assert runner.num_paused == 1 and engine.num_free_kv_slots == engine.config.max_batch_size - 1
+        # Then a slow reader: it resumes, and gets every token, in order, once.
+        async def read_slowly(state):
+            tokens = []
+            while True:
+                out = await state.next_output()
+                tokens += out.token_ids
+                if out.finished:
+                    return tokens
+                await asyncio.sleep(0.01)
+        assert server.run(read_slowly(state)) == reference
+        assert server.run(close(state)) == []
+
+        # A reader that never comes back: ended after stall_timeout_s, slots freed.
+        state = server.run(add())
+        wait_for(lambda: state.done, timeout=stall + 5, what="the stalled request to end")
+        server.wait_idle()
+        items = server.run(close(state))
+        assert len(items) == pending + 1 and isinstance(items[-1], Exception)
+        assert items[-1].code == grpc.StatusCode.RESOURCE_EXHAUSTED and "did not read" in str(items[-1])
+        assert runner.num_open_streams == 0
+    finally:
+        server.stop()
+
+
+def test_backpressure_over_grpc_bounds_server_memory():
+    """End to end: a client whose HTTP/2 window is tiny and that stops reading stalls the server's sends;
+    the request pauses with at most max_pending_outputs responses queued; reading again finishes it."""
+    pending = 4
+    server = ServerThread(shared_engine(), ServerConfig(port=0, limits=RequestLimits(max_pending_outputs=pending)))
+    runner = server.server.runner
+    prompt = server.engine.tokenizer.encode("Once upon a time")
+    reference = server.reference(prompt, None, 200, ignore_eos=True)
+    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]  # a small receive window
+    try:
+        with ClientLoop() as client:
+            async def scenario():
+                async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+                    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
+                    req.stopping.max_new_tokens, req.stopping.ignore_eos = 200, True
+                    req.response.top_logprobs = 20  # ~250 bytes per response: the window fills fast
+                    call = pb_grpc.GenerationStub(channel).Generate(req, timeout=60)
+                    tokens = list((await call.read()).token_ids)
+                    await asyncio.to_thread(wait_for, lambda: runner.num_paused == 1, 20, "the request to pause")
+                    (state,) = runner._running
+                    generated = len(state.seq.output_ids)
+                    await asyncio.sleep(0.5)
+                    stalled = (generated, len(state.seq.output_ids), state.outputs.qsize())
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        tokens += msg.token_ids
+                    return stalled, tokens
+            (generated, later, queued), tokens = client.run(scenario())
+        assert generated == later < 200, "generation went on for a reader that does not read"
+        assert queued <= pending
+        assert tokens == reference
+        server.wait_idle()
+    finally:
+        server.stop()
+
+
+# --- SIGTERM under load, real process -----------------------------------------------------------------
+@pytest.mark.slow
+def test_sigterm_under_load_drains_and_exits_zero(tmp_path, monkeypatch):
+    admin = "admin-secret-for-the-process"
+    monkeypatch.setenv("LORA_SERVE_ADMIN_TOKEN", admin)  # the token from the environment, not argv
+    root = tmp_path / "adapters"
+    root.mkdir()
+    grace = 30.0
+    server = ServeProcess("--max-batch-size", "4", "--max-loras-per-batch", "2", "--max-queue", "40",
+                          "--grace-period", str(grace), "--adapter-root", str(root))
+    _, adapters = demo_paths()
+    try:
+        outside = tmp_path / "outside"
+        shutil.copytree(adapters["poet"], outside)
+        with LoraServeClient(server.target, admin_token=admin) as client:  # roots and token reach the server
+            with pytest.raises(InvalidArgumentError, match="outside the adapter roots"):
+                client.load_adapter("outside", str(outside))
+            shutil.copytree(adapters["poet"], root / "poet")
+            assert client.load_adapter("poet2", str(root / "poet")).name == "poet2"
+        with LoraServeClient(server.target) as client, pytest.raises(UnauthenticatedError):
+            client.unload_adapter("poet")
+
+        started, outcomes = threading.Event(), []
+
+        async def one(stub, i):
+            req = pb.GenerateRequest(text=f"Stream {i} says", adapter=[None, "pirate", "poet", "scribe"][i % 4] or "")
+            req.stopping.max_new_tokens, req.stopping.ignore_eos = 20 + i % 20, True
+            tokens, last = 0, None
+            try:
+                async for msg in stub.Generate(req, timeout=120):
+                    tokens += len(msg.token_ids)
+                    last = msg
+                    started.set()
+            except grpc.aio.AioRpcError as e:
+                return e.code(), tokens, None
+            return grpc.StatusCode.OK, tokens, last
+
+        async def load():
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                tasks = [asyncio.create_task(one(stub, i)) for i in range(60)]
+                await asyncio.to_thread(started.wait, 30)
+                await asyncio.sleep(0.3)  # a few steps into the batch, most streams still queued
+                t0 = time.monotonic()
+                server.proc.send_signal(signal.SIGTERM)
+                outcomes.extend(await asyncio.gather(*tasks))
+                return t0
+
+        with ClientLoop() as client:
+            sigterm_at = client.run(load(), timeout=180)
+        code = server.proc.wait(grace + 10)
+        exit_seconds = time.monotonic() - sigterm_at
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+    statuses = [c for c, _, _ in outcomes]
+    summary = {"command": "python -m pytest " + " ".join(sys.argv[1:]),
+               "streams": len(outcomes), "by_status": dict(Counter(c.name for c in statuses)),
+               "exit_code": code, "seconds_from_sigterm_to_exit": round(exit_seconds, 1), "grace_period_s": grace}
+    print("\nsigterm under load:", json.dumps(summary))
+    REPORT_DIR.mkdir(parents=True, exist_ok=True)
+    (REPORT_DIR / "sigterm.json").write_text(json.dumps(summary, indent=2))
+    assert set(statuses) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}, \
+        statuses
+    finished = [(n, last) for c, n, last in outcomes if c == grpc.StatusCode.OK]
+    assert len(finished) >= 40  # batch 4 + queue 40 were in flight; they all finish
+    for n, last in finished:
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == n
+    assert code == 0 and exit_seconds < grace, (code, exit_seconds, "".join(server.lines[-20:]))
+    assert "drained cleanly" in "".join(server.lines)
