@@ -96,7 +96,7 @@ def start_server(model: Path, adapter_dirs: list[Path], args) -> tuple[subproces
     cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port),
            "--max-batch-size", str(args.max_batch_size), "--max-seq-len", "512",
            "--max-loras-per-batch", str(max(1, min(len(adapter_dirs), args.max_loras_per_batch))),
-           "--max-queue", str(args.num_requests)]
+           "--max-queue", str(args.num_requests), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     for i, d in enumerate(adapter_dirs):
         cmd += ["--adapter", f"a{i}={d}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=0.0, help="Zipf exponent for adapter popularity; 0 = uniform")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step (prefill chunk)")
     p.add_argument("--min-input", type=int, default=16)
     p.add_argument("--max-input", type=int, default=128)
     p.add_argument("--min-output", type=int, default=32)
