@@ -44,13 +44,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return Unavailable(f"server is {state.value}; retry later" if state is ServingState.WARMING_UP
                            else "server is draining (shutting down); retry on another replica")
 
+    def _admit(self, request) -> None:
+        """Refuse before the handler runs: not serving (warming up, draining) or bytes that did not parse."""
+        if (refusal := self._refusal()) is not None:
+            raise refusal
+        if isinstance(request, _Unparsable):
+            raise MalformedRequest(request.message_type, request.reason)
+
     def _wrap_unary(self, behavior):
         async def wrapper(request, context):
             try:
-                if (refusal := self._refusal()) is not None:
-                    raise refusal
-                if isinstance(request, _Unparsable):
-                    raise MalformedRequest(request.message_type, request.reason)
+                self._admit(request)
                 return await behavior(request, context)
             except grpc.aio.AbortError:
                 raise
@@ -61,10 +65,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(self, behavior):
         async def wrapper(request, context):
             try:
-                if (refusal := self._refusal()) is not None:
-                    raise refusal
-                if isinstance(request, _Unparsable):
-                    raise MalformedRequest(request.message_type, request.reason)
+                self._admit(request)
                 async for response in behavior(request, context):
                     yield response
             except grpc.aio.AbortError:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
+from service._proto import pb
 from service.client import LoraServeClient
 from service.server import LoraServer, ServerConfig
 
@@ -97,6 +98,24 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+def make_request(text: str | None = "Once upon a time", **fields) -> pb.GenerateRequest:
+    """A GenerateRequest; fields: "sampling__temperature"=..., lists extend repeated fields; text=None leaves
+    the input unset."""
+    req = pb.GenerateRequest()
+    if text is not None:
+        req.text = text
+    for path, value in fields.items():
+        *parents, leaf = path.split("__")
+        msg = req
+        for p in parents:
+            msg = getattr(msg, p)
+        if isinstance(value, list):
+            getattr(msg, leaf).extend(value)
+        else:
+            setattr(msg, leaf, value)
+    return req
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

@@ -16,6 +16,7 @@ from service.errors import MAX_REPORTED_VIOLATIONS
 from service.limits import RequestLimits
 from service.server import ServerConfig
 from tests.service_harness import ServerThread, demo_paths, shared_engine, wait_for
+from tests.service_harness import make_request as _request
 from tests.wire import field_bytes, field_varint, raw_generate, raw_tokenize, varint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,22 +27,6 @@ OK, INVALID, NOT_FOUND, EXHAUSTED, PRECONDITION = (
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION)
 
-
-def _request(text: str | None = "Once upon a time", **fields) -> pb.GenerateRequest:
-    """fields: "sampling__temperature"=..., lists extend repeated fields; text=None leaves the input unset."""
-    req = pb.GenerateRequest()
-    if text is not None:
-        req.text = text
-    for path, value in fields.items():
-        *parents, leaf = path.split("__")
-        msg = req
-        for p in parents:
-            msg = getattr(msg, p)
-        if isinstance(value, list):
-            getattr(msg, leaf).extend(value)
-        else:
-            setattr(msg, leaf, value)
-    return req
 
 
 def _ids(ids: list[int], **fields) -> pb.GenerateRequest:

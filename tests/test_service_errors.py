@@ -11,6 +11,7 @@ from service._proto import pb, pb_grpc
 from service.client import (FailedPreconditionError, InvalidArgumentError, LoraServeError, NotFoundError,
                             from_rpc_error)
 from tests.service_harness import ServerThread, demo_paths, shared_engine
+from tests.service_harness import make_request as _request
 
 NAN, INF = float("nan"), float("inf")
 
@@ -21,19 +22,6 @@ def served():
     yield server
     server.stop()
 
-
-def _request(**fields) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(text="Once upon a time")
-    for path, value in fields.items():
-        *parents, leaf = path.split("__")
-        msg = req
-        for p in parents:
-            msg = getattr(msg, p)
-        if isinstance(value, list):
-            getattr(msg, leaf).extend(value)
-        else:
-            setattr(msg, leaf, value)
-    return req
 
 
 BAD_REQUESTS = {
