@@ -17,7 +17,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._proto import pb, pb_grpc
-from .client_channel import ClientTLS, bearer, open_channel
+from .client_channel import ClientTLS, bearer, open_channel, with_trace_context
 from .client_errors import (  # noqa: F401 - re-exported: `from service.client import NotFoundError`
     CancelledError, DeadlineExceededError, FailedPreconditionError, FieldViolation, InternalError,
     InvalidArgumentError, LoraServeError, NotFoundError, PermissionDeniedError, ResourceExhaustedError,
@@ -175,7 +175,7 @@ class LoraServeClient:
         """Stream chunks as the server produces them. Leaving the loop early cancels the request.
         `params`: see build_generate_request (adapter, max_new_tokens, temperature, stop, ...)."""
         call = self._generation.Generate(build_generate_request(prompt, **params),
-                                         timeout=self._timeout(timeout), metadata=self._metadata)
+                                         timeout=self._timeout(timeout), metadata=with_trace_context(self._metadata))
         try:
             for msg in call:
                 yield chunk_from_proto(msg)
@@ -199,11 +199,11 @@ class LoraServeClient:
 
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
         resp = self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)),
-                           metadata=self._admin_metadata)
+                           metadata=with_trace_context(self._admin_metadata))
         return _adapter_info(resp.adapter)
 
     def unload_adapter(self, name: str) -> None:
-        self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name), metadata=self._admin_metadata)
+        self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name), metadata=with_trace_context(self._admin_metadata))
 
     def health(self, service: str = "") -> str:
         """"SERVING", "NOT_SERVING", ... (grpc.health.v1) for the server or one service."""
@@ -224,7 +224,7 @@ class LoraServeClient:
 
     def _unary(self, method, request, timeout: float | None = None, metadata=None):
         try:
-            return method(request, timeout=self._timeout(timeout), metadata=metadata or self._metadata)
+            return method(request, timeout=self._timeout(timeout), metadata=with_trace_context(metadata or self._metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -244,7 +244,7 @@ class AsyncLoraServeClient:
     async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                        **params) -> AsyncIterator[GenerateChunk]:
         call = self._generation.Generate(build_generate_request(prompt, **params),
-                                         timeout=self._timeout(timeout), metadata=self._metadata)
+                                         timeout=self._timeout(timeout), metadata=with_trace_context(self._metadata))
         try:
             async for msg in call:
                 yield chunk_from_proto(msg)
@@ -269,12 +269,12 @@ class AsyncLoraServeClient:
 
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
         resp = await self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)),
-                                 metadata=self._admin_metadata)
+                                 metadata=with_trace_context(self._admin_metadata))
         return _adapter_info(resp.adapter)
 
     async def unload_adapter(self, name: str) -> None:
         await self._unary(self._adapters.UnloadAdapter, pb.UnloadAdapterRequest(name=name),
-                          metadata=self._admin_metadata)
+                          metadata=with_trace_context(self._admin_metadata))
 
     async def health(self, service: str = "") -> str:
         resp = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service))
@@ -294,6 +294,6 @@ class AsyncLoraServeClient:
 
     async def _unary(self, method, request, timeout: float | None = None, metadata=None):
         try:
-            return await method(request, timeout=self._timeout(timeout), metadata=metadata or self._metadata)
+            return await method(request, timeout=self._timeout(timeout), metadata=with_trace_context(metadata or self._metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import grpc
 import grpc.aio
+from opentelemetry import propagate
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,16 @@ def open_channel(target: str, tls: ClientTLS | None, options: Sequence[tuple] = 
     if tls is None:
         return module.insecure_channel(target, options=list(options))
     return module.secure_channel(target, tls.credentials(), options=[*options, *tls.options()])
+
+
+def with_trace_context(metadata: tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...] | None:
+    """`metadata` plus the caller's W3C trace context (`traceparent`) when an OpenTelemetry span is current, so
+    the server's spans join the caller's trace. Without a current span nothing is added."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if not carrier:
+        return metadata
+    return (*(metadata or ()), *carrier.items())
 
 
 def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:

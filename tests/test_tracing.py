@@ -168,6 +168,24 @@ def test_generate_span_tree(stack: Stack):
         assert sample.end_ns == step.end_ns and step.parent_id == ""  # each step is a trace of its own
 
 
+def test_sdk_continues_the_callers_trace(stack: Stack):
+    """The SDK sends the current OpenTelemetry span's context: the server's spans join the caller's trace."""
+    from opentelemetry import context, trace
+    _, trace_id, parent_id = traceparent()
+    caller = trace.NonRecordingSpan(trace.SpanContext(int(trace_id, 16), int(parent_id, 16), is_remote=False,
+                                                      trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)))
+    token = context.attach(trace.set_span_in_context(caller))
+    try:
+        with stack.served.client() as client:
+            assert client.complete(PROMPT, max_new_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+    finally:
+        context.detach(token)
+    spans = stack.collect(lambda s: in_trace(s, trace_id, "loraserve.v1.Generation/Generate"))
+    assert in_trace(spans, trace_id, "loraserve.v1.Generation/Generate")[0].parent_id == parent_id
+    with stack.served.client() as client:  # no current span: no trace context is sent
+        assert client.complete(PROMPT, max_new_tokens=1).usage.completion_tokens == 1
+
+
 def test_invalid_request_is_an_error(stack: Stack):
     header, trace_id, _ = traceparent()
     with pytest.raises(grpc.RpcError) as err:
