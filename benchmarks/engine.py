@@ -72,19 +72,24 @@ def main() -> None:
     compiled = Engine(EngineConfig(model=model, **LIMITS))
     compiled.warmup()
     eager = Engine(EngineConfig(model=model, compile=False, **LIMITS))
+    # The same compiled engine on plain (MKL) weights: what the oneDNN-packed weights bring.
+    plain = Engine(EngineConfig(model=model, prepack_weights=False, **LIMITS))
+    plain.warmup()
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    widths = (6, 14, 14, 14, 10, 10)
-    print(fmt_row(("batch", "compiled tok/s", "eager tok/s", "hf tok/s", "c/eager", "c/hf"), widths))
+    widths = (6, 14, 14, 14, 18, 10, 10, 12)
+    print(fmt_row(("batch", "compiled tok/s", "eager tok/s", "hf tok/s", "compiled unpacked", "c/eager", "c/hf",
+                   "c/unpacked"), widths))
     for b in args.batches:
         t = interleaved({
             "compiled": lambda: decode_step_time(compiled, b, [None], args.steps)[0],
             "eager": lambda: decode_step_time(eager, b, [None], args.steps)[0],
             "hf": lambda: transformers_step_time(hf, b, args.steps),
+            "plain": lambda: decode_step_time(plain, b, [None], args.steps)[0],
         }, args.rounds)
-        tc, te, th = t["compiled"], t["eager"], t["hf"]
-        print(fmt_row((b, f"{b / tc:.1f}", f"{b / te:.1f}", f"{b / th:.1f}", f"{te / tc:.2f}x", f"{th / tc:.2f}x"), widths),
-              flush=True)
+        tc, te, th, tp = t["compiled"], t["eager"], t["hf"], t["plain"]
+        print(fmt_row((b, f"{b / tc:.1f}", f"{b / te:.1f}", f"{b / th:.1f}", f"{b / tp:.1f}", f"{te / tc:.2f}x",
+                       f"{th / tc:.2f}x", f"{tp / tc:.2f}x"), widths), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Why the engine computes CPU linears as (W @ x.T).T: GEMM time for one decode step's weights, by row count.
+"""Why the engine runs CPU float32 linears on oneDNN-packed weights (and plain ones as (W @ x.T).T): GEMM time
+for one decode step's weights, by row count.
 
     python -m benchmarks.gemm
 
@@ -12,6 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lora_compile import packed_gemm
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
@@ -20,6 +23,11 @@ def step_ms(weights: list[torch.Tensor], rows: int, form: str) -> float:
     if form == "linear":
         def run():
             return [F.linear(xs[w.shape[1]], w) for w in weights]
+    elif form == "packed":
+        packed = [(w, packed_gemm.prepack(w)) for w in weights]
+
+        def run():  # oneDNN itself: packed_gemm.packed_linear takes W-left at two rows
+            return [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in packed]
     else:
         def run():
             return [torch.mm(w, xs[w.shape[1]].t()) for w in weights]
@@ -33,12 +41,14 @@ def step_ms(weights: list[torch.Tensor], rows: int, form: str) -> float:
 
 def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms for all GEMMs of one step")
-    print(f"{'rows':>5} {'fp32 F.linear':>14} {'fp32 W-left':>12} {'bf16 F.linear':>14} {'bf16 W-left':>12}")
+    names = ("fp32 F.linear", "fp32 W-left", "fp32 packed", "bf16 F.linear", "bf16 W-left")
+    print(f"{'rows':>5} " + " ".join(f"{n:>14}" for n in names))
     fp32 = [torch.randn(*s) for s in SHAPES]
     bf16 = [w.bfloat16() for w in fp32]
-    for rows in (1, 2, 3, 9, 33):
-        cells = [step_ms(ws, rows, form) for ws in (fp32, bf16) for form in ("linear", "left")]
-        print(f"{rows:>5} " + " ".join(f"{c:>12.1f}  " for c in cells))
+    runs = [(fp32, "linear"), (fp32, "left"), (fp32, "packed"), (bf16, "linear"), (bf16, "left")]
+    for rows in (1, 2, 3, 4, 5, 6, 8, 9, 16, 33, 128):
+        cells = [step_ms(ws, rows, form) for ws, form in runs]
+        print(f"{rows:>5} " + " ".join(f"{c:>14.1f}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

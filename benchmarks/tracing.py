@@ -3,6 +3,9 @@ batch-init share read back from the exported engine.step spans.
 
     python -m benchmarks.tracing [--batch 32] [--new-tokens 48] [--rounds 3] [--adapters 4] [--no-compile]
 
+With many short rounds (e.g. --rounds 100 --new-tokens 16) the paired on/off ratios give a confidence interval
+of the overhead narrower than one round's noise.
+
 Two servers share one engine (SmolLM2-135M-shaped, benchmarks.engine's limits) and take turns: off, on,
 off, on, ... "On" exports spans and metrics over OTLP/gRPC to an in-process receiver, so building and
 exporting spans is inside the measurement and the network is not. Requests cycle through the base model
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import time
 
@@ -73,6 +77,13 @@ def _time_span_building(telemetry) -> list:
     return spent
 
 
+def bootstrap_ci(values: list[float], resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
 async def run(args: argparse.Namespace) -> None:
     model = smollm2_checkpoint()
     engine = Engine(EngineConfig(model=str(model), compile=not args.no_compile, **LIMITS))
@@ -104,7 +115,9 @@ async def run(args: argparse.Namespace) -> None:
     results: dict[str, list[float]] = {"off": [], "on": []}
     try:
         for r in range(args.rounds + 1):  # round 0 warms up caches and is dropped
-            for name, server in (("off", off), ("on", on)):
+            # Alternate which goes first, so a drift within a round does not favour either.
+            order = (("off", off), ("on", on)) if r % 2 else (("on", on), ("off", off))
+            for name, server in order:
                 tput = await decode_throughput(server.port, args.batch, args.new_tokens, adapters)
                 if r:
                     results[name].append(tput)
@@ -114,8 +127,13 @@ async def run(args: argparse.Namespace) -> None:
             await server.stop()
     t_off, t_on = statistics.median(results["off"]), statistics.median(results["on"])
     print(f"decode tok/s, median of {args.rounds} interleaved rounds: tracing off {t_off:.1f}, "
-          f"on {t_on:.1f} ({100 * (t_on - t_off) / t_off:+.1f}%)  [off: {', '.join(f'{x:.0f}' for x in results['off'])}; "
-          f"on: {', '.join(f'{x:.0f}' for x in results['on'])}]")
+          f"on {t_on:.1f} ({100 * (t_on - t_off) / t_off:+.1f}%)")
+    # One round's noise (another process, a page fault) hits its off and on runs alike: compare them pairwise.
+    ratios = [on_ / off_ for off_, on_ in zip(results["off"], results["on"])]
+    low, high = bootstrap_ci(ratios)
+    print(f"paired on/off throughput over {len(ratios)} rounds: mean {statistics.mean(ratios):.4f}, "
+          f"median {statistics.median(ratios):.4f}, 95% CI of the mean [{low:.4f}, {high:.4f}] "
+          f"-> change {100 * (statistics.mean(ratios) - 1):+.1f}% (CI {100 * (low - 1):+.1f}% .. {100 * (high - 1):+.1f}%)")
     seconds, calls = loop_cost
     mean_step = statistics.mean(s.total for s in step_times(sink.spans()))
     print(f"building spans on the event loop after each step: {1e6 * seconds / calls:.0f} us per step "

@@ -162,6 +162,9 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = True
+    # CPU float32: run base projections on oneDNN-packed weights (2-3x faster GEMMs at decode sizes; a second
+    # copy of the weights). Ignored where packed_gemm is not available.
+    prepack_weights: bool = True
     inductor_cache_dir: str | None = None
     adapter_roots: tuple[str, ...] = ()  # empty: any directory may be registered (local/offline use)
     seed: int = 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import compile_policy
+from . import compile_policy, packed_gemm
 from .checkpoint import SafetensorsCheckpoint
 from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
@@ -61,6 +61,8 @@ class Engine:
         self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device)
         with SafetensorsCheckpoint(model_dir) as ckpt:
             self.model.load_weights(ckpt)
+        if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
+            self.model.prepack_weights()
         n_kv_slots = config.max_batch_size + 1  # the extra slot absorbs padding tokens' writes
         for layer in self.model.layers:
             layer.self_attn.allocate_kv_cache(n_kv_slots, config.max_seq_len, self.dtype, self.device)

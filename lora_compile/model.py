@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import compile_policy
+from . import compile_policy, packed_gemm
 from .checkpoint import SafetensorsCheckpoint
 from .config import ModelConfig
 from .forward_batch import AttentionMetadata, ForwardBatch
@@ -142,6 +142,7 @@ class CausalLM(nn.Module):
             self.embed_tokens.weight if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
         )
+        self.register_buffer("lm_head_packed", None, persistent=False)  # see prepack_weights
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -149,7 +150,19 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             h = layer(h, fb)
         # Only the rows that are sampled go through the (large) vocabulary projection.
-        return linear(self.norm(h[logits_idx]), self.lm_head).float()
+        h = self.norm(h[logits_idx])
+        if self.lm_head_packed is not None:
+            return packed_gemm.packed_linear(h, self.lm_head, self.lm_head_packed).float()
+        return linear(h, self.lm_head).float()
+
+    @torch.no_grad()
+    def prepack_weights(self) -> None:
+        """Give every base projection and the head a oneDNN-packed copy (CPU float32; see packed_gemm).
+        Costs a second copy of those weights in memory."""
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.prepack()
+        self.lm_head_packed = packed_gemm.prepack(self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, ckpt: SafetensorsCheckpoint) -> None:

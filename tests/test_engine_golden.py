@@ -52,9 +52,11 @@ def assert_matches_reference(model_dir, prompts, tokens, logits, adapter_dirs=No
         torch.testing.assert_close(logits[i], ref_logits, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("prepack", [True, False], ids=["packed", "plain"])  # plain: the path CUDA takes
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_eager_matches_transformers(models, arch):
-    engine = build_engine(models[arch], compile=False)
+def test_eager_matches_transformers(models, arch, prepack):
+    engine = build_engine(models[arch], compile=False, prepack_weights=prepack)
+    assert (engine.model.lm_head_packed is not None) == prepack
     tokens, logits = run_joining(engine, PROMPTS)
     assert_matches_reference(models[arch], PROMPTS, tokens, logits)
     assert engine.num_free_kv_slots == engine.config.max_batch_size

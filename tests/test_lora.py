@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lora_compile import SamplingParams, Sequence
+from lora_compile import SamplingParams, Sequence, packed_gemm
 from lora_compile.errors import AdapterError, AdapterInUseError, AdapterNotFoundError
+from lora_compile.forward_batch import LoRABatch
 from lora_compile.layers import LoRALinear
 from tests.checkpoints import make_peft_adapter, make_tiny_model, reference_greedy
 from tests.conftest import ADAPTER_SPECS, build_engine
@@ -30,9 +31,10 @@ def check_mixed_batch(engine, model_dir, adapter_dirs):
     assert len({tuple(base_tokens), *map(tuple, per_adapter)}) == len(MIXED)
 
 
+@pytest.mark.parametrize("prepack", [True, False], ids=["packed", "plain"])  # plain: the path CUDA takes
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_mixed_batch_matches_peft_eager(models, adapters, arch):
-    engine = build_engine(models[arch], adapters[arch], compile=False)
+def test_mixed_batch_matches_peft_eager(models, adapters, arch, prepack):
+    engine = build_engine(models[arch], adapters[arch], compile=False, prepack_weights=prepack)
     check_mixed_batch(engine, models[arch], adapters[arch])
 
 
@@ -52,6 +54,45 @@ def test_output_offsets_are_construction_time_buffers():
     assert layer.output_offset.device.type == "meta" and offsets.device.type == "cpu"
     gate_up = LoRALinear(64, (128, 128), bias=False, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
     assert gate_up.output_offset.tolist() == [0, 128, 256]
+
+
+def test_packed_weights_are_derived_buffers_and_compute_the_same_product():
+    torch.manual_seed(0)
+    layer = LoRALinear(64, (64, 32, 32), bias=True, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    layer.weight.normal_()
+    layer.bias.normal_()
+    layer.load_slot(2, [(torch.randn(8, 64), torch.randn(64, 8)), None, (torch.randn(4, 64), torch.randn(32, 4))])
+    x = torch.randn(5, 64)
+    batches = [LoRABatch(token_mask=torch.zeros(5, 0)),  # base only
+               LoRABatch(token_mask=torch.tensor([[1.0]] * 3 + [[0.0]] * 2)),  # slot 1 (empty yet) and base
+               LoRABatch(token_mask=torch.tensor([[0.0, 1.0]] * 3 + [[0.0, 0.0]] * 2)),  # slot 2 and base
+               LoRABatch(token_mask=torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]] + [[1.0, 0.0]] * 2))]
+    plain = [layer(x, b) for b in batches]
+    layer.prepack()
+    assert "weight_packed" in dict(layer.named_buffers()) and "weight_packed" not in layer.state_dict()
+    for b, expected in zip(batches, plain):
+        torch.testing.assert_close(layer(x, b), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(plain[0], x @ layer.weight.T + layer.bias, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(plain[2][:3], plain[0][:3], atol=1e-2)  # the adapter did change its tokens
+    # Loading a slot after packing repacks: slot 1 now changes its tokens, on both paths alike.
+    layer.load_slot(1, [None, (torch.randn(8, 64), torch.randn(32, 8)), None])
+    packed = [layer(x, b) for b in batches]
+    layer.weight_packed = layer.lora_a_packed = None  # back to the plain path
+    for b, expected in zip(batches, packed):
+        torch.testing.assert_close(layer(x, b), expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(packed[3][0], plain[3][0], atol=1e-2)
+
+
+def test_packed_linear_is_exact_at_every_row_count_with_few_onednn_sizes():
+    """oneDNN keeps one kernel per row count (~0.6 MB each): rows are padded to a bounded set of sizes."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 32)
+    packed = packed_gemm.prepack(weight)
+    for rows in (1, 2, 3, 5, 6, 8, 9, 31, 33, 64, 65, 300):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(packed_gemm.packed_linear(x, weight, packed), x @ weight.T, atol=1e-4, rtol=1e-4)
+    sizes = {packed_gemm.packed_rows(rows) for rows in range(1, 4097)} - {None}
+    assert sizes == set(packed_gemm.PACKED_ROWS)
 
 
 class _CountOps(TorchDispatchMode):

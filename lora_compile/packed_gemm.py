@@ -1,0 +1,54 @@
+"""oneDNN-prepacked weights for float32 linears on CPU.
+
+MKL runs the GEMMs of a decode step (a few rows against a large weight) far below peak; oneDNN with the weight
+reordered once into its blocked layout runs the same products 2-3x faster at 6-33 rows and at one row
+(python -m benchmarks.gemm). Inductor does this reorder only under `freezing`, which constant-folds every weight
+into the graph: adapter slots loaded later would be ignored and each layer would need its own graph. Here the
+packed weight is an ordinary (non-persistent) buffer and the product an opaque custom op, so one compiled graph
+still serves every layer and adapter slots stay plain tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """The (out, in) weight in oneDNN's blocked layout: an opaque tensor, only for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+# oneDNN builds (JIT) one kernel per row count and keeps it, ~0.6 MB each per weight shape: rows are padded up to
+# these few sizes so that memory stays bounded (python -m benchmarks.gemm: small rows cost about the same).
+# Two to five rows and more than 64 go to MKL instead, which is as fast there (W @ x.T streams W once).
+PACKED_ROWS = (1, 8, 12, 16, 20, 24, 28, 32, 48, 64)
+
+
+def packed_rows(rows: int) -> int | None:
+    """The row count oneDNN runs for `rows` rows of input, or None where MKL runs them."""
+    if 2 <= rows <= 5:
+        return None
+    return next((b for b in PACKED_ROWS if rows <= b), None)
+
+
+@custom_op("lora_compile::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x (tokens, in) @ weight.T, through `packed` (= prepack(weight)) at decode sizes.
+
+    Chosen per call, which a compiled graph could not do without a guard per size."""
+    rows = x.shape[0]
+    bucket = packed_rows(rows)
+    if bucket is None:
+        return torch.mm(weight, x.t()).t().contiguous()
+    if bucket != rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, bucket - rows))
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")[:rows]
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
