@@ -88,6 +88,11 @@ class Engine:
         if self._compiled:
             compile_policy.compile_layers(self.model.layers)
 
+    @property
+    def weights_packed(self) -> bool:
+        """True when the GEMMs run on oneDNN-packed weights (CPU float32, prepack_weights)."""
+        return self.model.lm_head_packed is not None
+
     # --- capacity -----------------------------------------------------------------------------------
     @property
     def num_free_kv_slots(self) -> int:

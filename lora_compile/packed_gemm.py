@@ -23,9 +23,10 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 # oneDNN builds (JIT) one kernel per row count and keeps it, ~0.6 MB each per weight shape: rows are padded up to
-# these few sizes so that memory stays bounded (python -m benchmarks.gemm: small rows cost about the same).
-# Two to five rows and more than 64 go to MKL instead, which is as fast there (W @ x.T streams W once).
-PACKED_ROWS = (1, 8, 12, 16, 20, 24, 28, 32, 48, 64)
+# these few sizes so that memory stays bounded. They are 4k + 1 because a decode step of batch B has B + 1 rows
+# (one dummy token), so batches of 8, 16, 24, 32 pad nothing. Two to five rows and more than 65 go to MKL
+# instead, which is as fast there (W @ x.T streams W once; python -m benchmarks.gemm).
+PACKED_ROWS = (1, 9, 13, 17, 21, 25, 29, 33, 41, 49, 57, 65)
 
 
 def packed_rows(rows: int) -> int | None:

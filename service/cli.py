@@ -54,6 +54,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=engine_defaults["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=engine_defaults["device"], help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (no torch.compile): fast start, slower steps")
+    p.add_argument("--no-prepack-weights", action="store_true",
+                   help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
+                        "memory; slower decode)")
     p.add_argument("--max-queue", type=int, default=server_defaults.max_queue,
                    help="requests that may wait beyond a full batch before RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
@@ -165,14 +168,15 @@ def serve_main(argv: list[str] | None = None) -> int:
             model=model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
             max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
-            adapter_roots=roots, max_cpu_loras=args.max_cpu_loras,
+            prepack_weights=not args.no_prepack_weights, adapter_roots=roots, max_cpu_loras=args.max_cpu_loras,
         )
         server_config = _server_config(args)
         t0 = time.perf_counter()
         log.info("loading model from %s", model)
         engine = Engine(engine_config)
-        log.info("model %s (%s) loaded in %.1fs on %s, %s%s", engine.model_name, engine.model_config.architecture,
-                 time.perf_counter() - t0, engine.device, str(engine.dtype).removeprefix("torch."),
+        log.info("model %s (%s) loaded in %.1fs on %s, %s, %s weights%s", engine.model_name,
+                 engine.model_config.architecture, time.perf_counter() - t0, engine.device,
+                 str(engine.dtype).removeprefix("torch."), "oneDNN-packed" if engine.weights_packed else "plain",
                  "" if engine_config.compile else " (eager: --no-compile)")
         for name, path in adapters.items():
             info = engine.adapters.register(name, path)

@@ -55,9 +55,10 @@ class ServeProcess:
 
 
 def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
-    server = ServeProcess("--grace-period", "30")
+    server = ServeProcess("--grace-period", "30", "--no-prepack-weights")
     try:
         log = "".join(server.lines)
+        assert "float32, plain weights (eager: --no-compile)" in log
         assert "loading model" in log and "warm-up done" in log and "registered adapter pirate" in log
 
         # The CLI client against the real process.
