@@ -3,8 +3,8 @@ batch-init share read back from the exported engine.step spans.
 
     python -m benchmarks.tracing [--batch 32] [--new-tokens 48] [--rounds 3] [--adapters 4] [--no-compile]
 
-With many short rounds (e.g. --rounds 100 --new-tokens 16) the paired on/off ratios give a confidence interval
-of the overhead narrower than one round's noise.
+With many short rounds (e.g. --rounds 60 --new-tokens 16; more than 15 minutes on 2 cores) the paired on/off
+ratios give a confidence interval of the overhead narrower than one round's noise.
 
 Two servers share one engine (SmolLM2-135M-shaped, benchmarks.engine's limits) and take turns: off, on,
 off, on, ... "On" exports spans and metrics over OTLP/gRPC to an in-process receiver, so building and

@@ -124,3 +124,37 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+class BackgroundStream:
+    """One stream consumed in a thread while the test does something else; .result() joins."""
+
+    def __init__(self, server: ServerThread, prompt, wait_started: bool = True, **params):
+        self.chunks, self.error = [], None
+        self.started = threading.Event()
+        self._client = server.client()
+        self._thread = threading.Thread(target=self._run, args=(prompt, params), daemon=True)
+        self._thread.start()
+        if wait_started:
+            assert self.started.wait(30), "stream did not start"
+
+    def _run(self, prompt, params):
+        try:
+            for chunk in self._client.generate(prompt, **params):
+                self.chunks.append(chunk)
+                self.started.set()
+        except Exception as e:  # noqa: BLE001 - surfaced by result()
+            self.error = e
+            self.started.set()
+
+    def result(self) -> list[int]:
+        """The stream's tokens, once it has ended; raises what the stream raised."""
+        self._thread.join(60)
+        self._client.close()
+        if self.error is not None:
+            raise self.error
+        return [t for c in self.chunks for t in c.token_ids]
+
+    @property
+    def finish_reason(self) -> str:
+        return self.chunks[-1].finish_reason

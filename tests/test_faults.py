@@ -28,39 +28,11 @@ from service.limits import RequestLimits
 from service.server import ServerConfig
 from service.validation import Limits, validate_generate
 from tests.client_loop import ClientLoop
-from tests.service_harness import LIMITS, ServerThread, demo_paths, shared_engine, wait_for
+from tests.service_harness import LIMITS, BackgroundStream, ServerThread, demo_paths, shared_engine, wait_for
 from tests.test_service_process import ServeProcess
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 REPORT_DIR = Path(os.environ.get("LORA_SERVE_RELIABILITY_DIR", Path(__file__).resolve().parents[1] / ".cache" / "reliability"))
-
-
-class Streaming:
-    """One stream consumed in a thread while the test does something else; .result() joins."""
-
-    def __init__(self, server: ServerThread, prompt, **params):
-        self.chunks, self.error = [], None
-        self._client = server.client()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(prompt, params), daemon=True)
-        self._thread.start()
-        assert self._started.wait(30), "stream did not start"
-
-    def _run(self, prompt, params):
-        try:
-            for chunk in self._client.generate(prompt, **params):
-                self.chunks.append(chunk)
-                self._started.set()
-        except Exception as e:  # noqa: BLE001 - surfaced by result()
-            self.error = e
-            self._started.set()
-
-    def result(self) -> list[int]:
-        self._thread.join(60)
-        self._client.close()
-        if self.error is not None:
-            raise self.error
-        return [t for c in self.chunks for t in c.token_ids]
 
 
 # --- adapter files damaged after registration -------------------------------------------------------
@@ -113,7 +85,7 @@ def test_adapter_files_damaged_after_registration(small_cache, tmp_path):
             client.complete(prompt, adapter="evictor", max_new_tokens=1)
         damage(victim)
 
-        base = Streaming(server, prompt, max_new_tokens=80, ignore_eos=True)
+        base = BackgroundStream(server, prompt, max_new_tokens=80, ignore_eos=True)
         with server.client() as client, pytest.raises(FailedPreconditionError) as info:
             client.complete(prompt, adapter="victim", max_new_tokens=8, ignore_eos=True)
         assert "adapter 'victim' can no longer be loaded" in info.value.message, how
@@ -149,7 +121,7 @@ def test_engine_step_failure_fails_that_step_and_frees_every_slot(served, monkey
         return real_step(seqs, *args, **kwargs)
 
     monkeypatch.setattr(engine, "step", flaky_step)
-    streams = [Streaming(served, "The river", adapter=a, max_new_tokens=200, ignore_eos=True)
+    streams = [BackgroundStream(served, "The river", adapter=a, max_new_tokens=200, ignore_eos=True)
                for a in (None, "pirate", "poet", None)]
     for s in streams:
         with pytest.raises(InternalError, match="simulated device error"):
@@ -175,7 +147,7 @@ def test_admission_failure_fails_only_that_request(served, monkeypatch):
         return real_admit(seq)
 
     monkeypatch.setattr(engine, "try_admit", admit)
-    base = Streaming(served, "Once upon a time", max_new_tokens=40, ignore_eos=True)
+    base = BackgroundStream(served, "Once upon a time", max_new_tokens=40, ignore_eos=True)
     with served.client() as client, pytest.raises(InternalError, match="simulated admission bug"):
         client.complete("Hi", adapter="scribe", max_new_tokens=4)
     assert len(base.result()) == 40
