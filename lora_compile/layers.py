@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packed_gemm
 from .config import ModelConfig
 from .forward_batch import LoRABatch
+from .packed_gemm import linear, packed_linear, prepack
 
 
 class RMSNorm(nn.Module):
@@ -52,15 +52,6 @@ def rope_tables(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: 
     freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T. For float32 on CPU computed as (weight @ x.T).T: MKL's small-M GEMM streams the weight
-    once per row of x, with the weight on the left once (4x faster at 2-3 tokens; python -m benchmarks.gemm).
-    In bfloat16 the plain form is the faster one."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.mm(weight, x.t()).t()
-    return F.linear(x, weight)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -123,7 +114,7 @@ class LoRALinear(nn.Module):
         self.max_loras = max_loras
         # oneDNN-packed copies (CPU float32, see packed_gemm), set by prepack() after loading: the base weight;
         # and, for steps with several adapters, every slot's A at once and, per output slice, every slot's B
-        # at once (repacked when a slot changes; ~2 ms per module).
+        # at once (repacked when a slot changes: 0.4-0.8 ms per module at SmolLM2-135M's shapes, ~70 ms a load).
         self.register_buffer("weight_packed", None, persistent=False)
         self.register_buffer("lora_a_packed", None, persistent=False)
         for i in range(len(self._slices)):
@@ -132,7 +123,7 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def prepack(self) -> None:
-        self.weight_packed = packed_gemm.prepack(self.weight)
+        self.weight_packed = prepack(self.weight)
         self._repack_lora()
 
     def _lora_a_all(self) -> torch.Tensor:
@@ -142,21 +133,21 @@ class LoRALinear(nn.Module):
     def _repack_lora(self) -> None:
         if self.weight_packed is None:
             return
-        self.lora_a_packed = packed_gemm.prepack(self._lora_a_all())
+        self.lora_a_packed = prepack(self._lora_a_all())
         for i, (start, end) in enumerate(self._slices):
             b_all = self.lora_b[start:end, : self.max_loras].reshape(end - start, self.max_loras * self.max_rank)
             setattr(self, f"lora_b_all{i}", b_all.contiguous())
-            setattr(self, f"lora_b_packed{i}", packed_gemm.prepack(b_all))
+            setattr(self, f"lora_b_packed{i}", prepack(b_all))
 
     def _forward_all_slots_packed(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """Several adapters, packed weights: shrink and expand over every slot (unused ones masked to zero),
         three oneDNN GEMMs where the per-slot-count form runs MKL ones 2-3x slower at these sizes."""
         tokens, m, r, n = x.shape[0], lora.token_mask.shape[1], self.max_rank, self.max_loras
-        shrink = packed_gemm.packed_linear(x, self._lora_a_all(), self.lora_a_packed)
+        shrink = packed_linear(x, self._lora_a_all(), self.lora_a_packed)
         mask = F.pad(lora.token_mask, (0, n - m)).view(tokens, n, 1, 1)
         h = shrink.view(tokens, n, len(self.output_sizes), r) * mask
         deltas = [
-            packed_gemm.packed_linear(
+            packed_linear(
                 h[:, :, i, :].reshape(tokens, n * r), getattr(self, f"lora_b_all{i}"),
                 getattr(self, f"lora_b_packed{i}"),
             )
@@ -165,10 +156,7 @@ class LoRALinear(nn.Module):
         return self._base(x) + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1))
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_packed is not None:
-            y = packed_gemm.packed_linear(x, self.weight, self.weight_packed)
-        else:
-            y = linear(x, self.weight)
+        y = linear(x, self.weight, self.weight_packed)
         return y if self.bias is None else y + self.bias
 
     def lora_a(self, slot: int) -> torch.Tensor:

@@ -9,7 +9,8 @@ from . import compile_policy, packed_gemm
 from .checkpoint import SafetensorsCheckpoint
 from .config import ModelConfig
 from .forward_batch import AttentionMetadata, ForwardBatch
-from .layers import LoRALinear, RMSNorm, apply_rotary, linear
+from .layers import LoRALinear, RMSNorm, apply_rotary
+from .packed_gemm import linear
 
 # Modules a LoRA adapter may target: PEFT name -> (our fused module, output slice index).
 LORA_TARGETS: dict[str, tuple[str, int]] = {
@@ -78,7 +79,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x, fb.lora)
-        # reshape, not view: on CPU the projection's output is a transposed layout (see layers.linear)
+        # reshape, not view: on CPU the projection's output is a transposed layout (see packed_gemm.plain_linear)
         q = qkv[:, : self.q_size].reshape(tokens, self.n_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(tokens, self.n_kv, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].reshape(tokens, self.n_kv, self.head_dim)
@@ -150,10 +151,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             h = layer(h, fb)
         # Only the rows that are sampled go through the (large) vocabulary projection.
-        h = self.norm(h[logits_idx])
-        if self.lm_head_packed is not None:
-            return packed_gemm.packed_linear(h, self.lm_head, self.lm_head_packed).float()
-        return linear(h, self.lm_head).float()
+        return linear(self.norm(h[logits_idx]), self.lm_head, self.lm_head_packed).float()
 
     @torch.no_grad()
     def prepack_weights(self) -> None:
