@@ -1,15 +1,20 @@
 """Where the service's latency overhead comes from: engine step time inside a running server vs bare.
 
-    python -m benchmarks.server_step [--threads N]
+    python -m benchmarks.server_step [--threads N] [--torch-in-main] [--no-gc-freeze]
 
 An in-process lora-serve (compiled, SmolLM2-135M-shaped) streams 8 concurrent 64-token generations; every
 engine.step is timed, with the gap between steps (scheduler + output processing that is not overlapped). Then the
-same engine's bare decode step at batch 8 is measured in the same process.
+same engine's bare decode step at batch 8 is measured in the same process, in the engine thread.
+
+--torch-in-main builds the engine in the main thread (as the server did before service/engine_thread.py), so
+torch runs in two threads of the process. --no-gc-freeze undoes the server's gc.freeze() after warm-up.
+The ITL percentiles include the in-process clients' own work, which a real client does elsewhere.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import time
 
@@ -17,33 +22,75 @@ import torch
 
 from benchmarks.common import decode_step_time, smollm2_checkpoint
 from lora_compile import Engine, EngineConfig
+from service import engine_thread
 from service.client import AsyncLoraServeClient
 from service.server import LoraServer, ServerConfig
 
 BATCH = 8
 
 
-async def serve_and_stream(engine: Engine) -> None:
+class GcPauses:
+    """Collections (generation, seconds) while active, from gc.callbacks."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self.active = False
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.active:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def summary(self) -> str:
+        full = [p for g, p in self.pauses if g == 2]
+        worst = max((p for _, p in self.pauses), default=0.0)
+        return (f"{len(self.pauses)} collections while streaming ({len(full)} full), "
+                f"longest {1000 * worst:.1f} ms")
+
+
+async def serve_and_stream(engine: Engine, gc_freeze: bool, gc_pauses: GcPauses) -> list[float]:
+    """Streams BATCH generations; returns every inter-token gap the clients saw (s)."""
     server = LoraServer(engine, ServerConfig(port=0))
     await server.start()
     await server.warmup()
+    if not gc_freeze:
+        gc.unfreeze()
+    gaps: list[float] = []
+    gc_pauses.active = True
     async with AsyncLoraServeClient(f"127.0.0.1:{server.port}") as client:
         async def one(i: int) -> None:
             prompt = [(7 * i + j) % 500 + 3 for j in range(64)]
+            last = None
             async for _ in client.generate(prompt, max_new_tokens=64, ignore_eos=True):
-                pass
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
         await asyncio.gather(*(one(i) for i in range(BATCH)))
+    gc_pauses.active = False
     await server.stop(grace_s=0)
+    return gaps
+
+
+def pct(values: list[float], q: float) -> float:
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--torch-in-main", action="store_true", help="build the engine in the main thread")
+    p.add_argument("--no-gc-freeze", action="store_true", help="undo the server's gc.freeze() after warm-up")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model=str(smollm2_checkpoint()), max_batch_size=BATCH, max_seq_len=512,
-                                 max_loras_per_batch=8))
+        engine_thread.call(torch.set_num_threads, args.threads)
+    config = EngineConfig(model=str(engine_thread.call(smollm2_checkpoint)), max_batch_size=BATCH, max_seq_len=512,
+                          max_loras_per_batch=8)
+    engine = Engine(config) if args.torch_in_main else engine_thread.call(Engine, config)
     marks: list[tuple[float, float, int]] = []
     step = engine.step
 
@@ -54,14 +101,21 @@ def main() -> None:
         return out
 
     engine.step = timed
-    asyncio.run(serve_and_stream(engine))
+    gc_pauses = GcPauses()
+    gaps = asyncio.run(serve_and_stream(engine, not args.no_gc_freeze, gc_pauses))
     engine.step = step
     full = [(a, b) for a, b, n in marks if n == BATCH][5:-5]  # steady decode at the full batch
-    in_server = statistics.median(b - a for a, b in full)
+    steps = [b - a for a, b in full]
     gap = statistics.median(full[i + 1][0] - full[i][1] for i in range(len(full) - 1))
-    bare = statistics.median(decode_step_time(engine, BATCH, [None], 12)[0] for _ in range(3))
-    print(f"torch threads {torch.get_num_threads()}: in-server step {1000 * in_server:.1f} ms, gap between steps "
-          f"{1000 * gap:.1f} ms; bare step {1000 * bare:.1f} ms (in-server / bare = {in_server / bare:.2f}x)")
+    bare = statistics.median(engine_thread.call(decode_step_time, engine, BATCH, [None], 12)[0] for _ in range(3))
+    where = "main and engine threads" if args.torch_in_main else "engine thread only"
+    ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
+    print(f"torch in the {where}, {torch.get_num_threads()} threads, gc.freeze {'off' if args.no_gc_freeze else 'on'}")
+    print(f"bare decode step {ms(bare)} ms; in-server step P50 {ms(statistics.median(steps))} ms "
+          f"({statistics.median(steps) / bare:.2f}x), P95 {ms(pct(steps, 0.95))} ms; gap between steps {ms(gap)} ms")
+    print(f"ITL seen by the clients: P50 {ms(statistics.median(gaps))} ms ({statistics.median(gaps) / bare:.2f}x bare), "
+          f"P95 {ms(pct(gaps, 0.95))} ms ({pct(gaps, 0.95) / bare:.2f}x), P99 {ms(pct(gaps, 0.99))} ms; "
+          f"GC: {gc_pauses.summary()}")
 
 
 if __name__ == "__main__":

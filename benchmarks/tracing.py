@@ -19,6 +19,7 @@ import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 import grpc.aio
 import torch
@@ -26,6 +27,7 @@ import torch
 from benchmarks.common import smollm2_checkpoint, write_lora_adapter
 from benchmarks.engine import LIMITS
 from lora_compile import Engine, EngineConfig
+from service import engine_thread
 from service._proto import pb, pb_grpc
 from service.otlp import GrpcReceiver, OtlpSink
 from service.server import LoraServer, ServerConfig
@@ -85,13 +87,16 @@ def bootstrap_ci(values: list[float], resamples: int = 10000, seed: int = 0) -> 
 
 
 async def run(args: argparse.Namespace) -> None:
-    model = smollm2_checkpoint()
-    engine = Engine(EngineConfig(model=str(model), compile=not args.no_compile, **LIMITS))
-    adapters: list[str | None] = [None]
-    for i in range(args.adapters):
-        path = write_lora_adapter(model, model.parent / f"lora-r16-{i}", rank=16, seed=100 + i)
-        engine.adapters.register(f"lora{i}", str(path))
-        adapters.append(f"lora{i}")
+    def setup() -> tuple[Engine, list[str | None]]:  # in the engine thread, as a server runs it
+        model = smollm2_checkpoint()
+        engine = Engine(EngineConfig(model=str(model), compile=not args.no_compile, **LIMITS))
+        for i in range(args.adapters):
+            path = write_lora_adapter(model, model.parent / f"lora-r16-{i}", rank=16, seed=100 + i)
+            engine.adapters.register(f"lora{i}", str(path))
+        return engine, [None, *(f"lora{i}" for i in range(args.adapters))]
+
+    engine, adapters = engine_thread.call(setup)
+    model = Path(engine.config.model)
 
     sink = OtlpSink()
     receiver = GrpcReceiver(sink)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence as SequenceLike
@@ -50,6 +51,9 @@ class _Planned:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        # Where torch ran first. A process should keep all its torch work on one thread: every thread that runs
+        # a parallel op gets an OpenMP team of its own, and more teams than cores slow each step (service.engine_thread).
+        self.thread_id = threading.get_ident()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model)

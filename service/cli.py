@@ -147,6 +147,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     from lora_compile import Engine, EngineConfig
 
+    from . import engine_thread
     from .server import serve
     from .tracing import describe_export, setup_telemetry, tracing_requested
 
@@ -157,8 +158,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
 
         log.info("no --model: writing the embedded demo model and adapters (first run only)")
-        model = str(write_demo_checkpoint())
-        demo_adapters = write_demo_adapters()
+        model = str(engine_thread.call(write_demo_checkpoint))
+        demo_adapters = engine_thread.call(write_demo_adapters)
         adapters = {name: str(path) for name, path in demo_adapters.items()} | adapters
         if roots:  # the demo adapters must stay loadable (they are re-read after eviction)
             roots += tuple(sorted({str(path.parent) for path in demo_adapters.values()}))
@@ -173,13 +174,13 @@ def serve_main(argv: list[str] | None = None) -> int:
         server_config = _server_config(args)
         t0 = time.perf_counter()
         log.info("loading model from %s", model)
-        engine = Engine(engine_config)
+        engine = engine_thread.call(Engine, engine_config)  # torch runs in that one thread only
         log.info("model %s (%s) loaded in %.1fs on %s, %s, %s weights%s", engine.model_name,
                  engine.model_config.architecture, time.perf_counter() - t0, engine.device,
                  str(engine.dtype).removeprefix("torch."), "oneDNN-packed" if engine.weights_packed else "plain",
                  "" if engine_config.compile else " (eager: --no-compile)")
         for name, path in adapters.items():
-            info = engine.adapters.register(name, path)
+            info = engine_thread.call(engine.adapters.register, name, path)
             log.info("registered adapter %s (rank %d) from %s", name, info.rank, info.path)
     except Exception as e:  # noqa: BLE001 - a bad flag or directory: one line, not a traceback
         log.error("cannot start: %s: %s", type(e).__name__, e)

@@ -5,7 +5,8 @@ A waiting queue (FIFO) and a running set. Each loop iteration makes ONE call int
   2. admits waiting requests in order while `engine.try_admit` says yes (the first "no" stops: fairness),
   3. runs `engine.step(running)`,
 and then, back on the event loop, turns each sequence's new tokens into a RequestOutput on its queue.
-All engine calls run in one worker thread, so they never overlap and the event loop keeps streaming.
+All engine calls run in the process's one engine thread (engine_thread.py), so they never overlap and the
+event loop keeps streaming.
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lora_compile import Engine, Sequence
 from lora_compile.errors import AdapterError
 
+from . import engine_thread
 from .errors import EngineFailure, FailedPrecondition, QueueFull, StreamStalled, TooManyStreams, Unavailable
 from .output import OutputProcessor
 from .request import GenerationRequest, RequestOutput
@@ -103,7 +104,6 @@ class EngineRunner:
         self._running: list[RequestState] = []
         self._to_release: list[Sequence] = []   # engine.release at the start of the next iteration
         self._seq_ids = itertools.count()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")  # ONE engine thread
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._accepting = True
@@ -133,7 +133,7 @@ class EngineRunner:
             return False
 
     async def shutdown(self) -> None:
-        """Abort everything, release every slot, stop the loop and the engine thread."""
+        """Abort everything, release every slot, stop the loop (the engine thread stays for the process)."""
         self._accepting = False
         self._fail_all(Unavailable("server is shutting down"))
         if self._task is not None:
@@ -141,12 +141,11 @@ class EngineRunner:
             await self._idle.wait()
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._release_all)
-        self._executor.shutdown(wait=True)
+        await engine_thread.run(self._release_all)
 
     async def run_in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` between steps (e.g. warm-up, unloading an adapter), never during one."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await engine_thread.run(fn, *args)
 
     # --- requests -----------------------------------------------------------------------------------
     def check_capacity(self) -> None:
@@ -210,7 +209,6 @@ class EngineRunner:
             self._wakeup.set()
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             self._sweep_aborted()
             if not (self._waiting or self._running or self._to_release):
@@ -223,8 +221,8 @@ class EngineRunner:
             free = self.engine.config.max_batch_size - len(self._running)
             candidates = list(itertools.islice(self._waiting, max(0, free)))
             try:
-                result = await loop.run_in_executor(
-                    self._executor, self._engine_iteration, to_release, candidates, self._steppable())
+                result = await engine_thread.run(
+                    self._engine_iteration, to_release, candidates, self._steppable())
                 self._apply(result)
             except Exception:  # noqa: BLE001 - a scheduler bug must not leave every stream hanging
                 log.exception("scheduler iteration failed; failing all in-flight requests")

@@ -103,9 +103,10 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
         if self._runner.adapter_users(request.name):
             raise FailedPrecondition(f"adapter {request.name!r} is in use by in-flight requests; "
                                      "it cannot be replaced now")
-        # Reading and validating the files is slow: a plain thread, so steps (and streams) go on meanwhile.
+        # In the engine thread, between steps (as vLLM's workers load adapters): torch work on any other thread
+        # would slow every later step (engine_thread.py). Streams pause while the files are read.
         try:
-            info = await asyncio.to_thread(self._engine.adapters.register, request.name, request.path)
+            info = await self._runner.run_in_engine_thread(self._engine.adapters.register, request.name, request.path)
         except OSError as e:  # e.g. a name too long for the filesystem, or no permission to read
             raise FailedPrecondition(f"cannot read adapter directory {request.path!r}: {e.strerror or e}") from e
         log.info("loaded adapter %s from %s (rank %d)", info.name, info.path, info.rank)

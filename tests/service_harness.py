@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
+from service import engine_thread
 from service._proto import pb
 from service.client import LoraServeClient
 from service.server import LoraServer, ServerConfig
@@ -30,9 +31,14 @@ def demo_paths() -> tuple[Path, dict[str, Path]]:
 def shared_engine() -> Engine:
     """One engine for every service test module (eager keeps the suite fast)."""
     model, adapters = demo_paths()
-    engine = Engine(EngineConfig(model=str(model), **LIMITS))
+    return build_engine(model, adapters)
+
+
+def build_engine(model: Path, adapters: dict[str, Path], **limits: Any) -> Engine:
+    """An engine with these adapters registered, built where a server runs it: in the engine thread."""
+    engine = engine_thread.call(Engine, EngineConfig(model=str(model), **(LIMITS | limits)))
     for name, path in adapters.items():
-        engine.adapters.register(name, str(path))
+        engine_thread.call(engine.adapters.register, name, str(path))
     return engine
 
 

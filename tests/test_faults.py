@@ -20,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lora_compile import Engine, EngineConfig
 from service._proto import pb, pb_grpc
 from service.client import (FailedPreconditionError, InternalError, InvalidArgumentError, LoraServeClient,
                             UnauthenticatedError)
@@ -28,7 +27,7 @@ from service.limits import RequestLimits
 from service.server import ServerConfig
 from service.validation import Limits, validate_generate
 from tests.client_loop import ClientLoop
-from tests.service_harness import LIMITS, BackgroundStream, ServerThread, demo_paths, shared_engine, wait_for
+from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, shared_engine, wait_for
 from tests.test_service_process import ServeProcess
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -59,7 +58,7 @@ def small_cache():
     """An engine that keeps ONE adapter in host memory and one on the device, so using another adapter
     evicts the first from both and its next use reads its files again."""
     model, _ = demo_paths()
-    engine = Engine(EngineConfig(model=str(model), **(LIMITS | dict(max_loras_per_batch=1, max_cpu_loras=1))))
+    engine = build_engine(model, {}, max_loras_per_batch=1, max_cpu_loras=1)
     server = ServerThread(engine)
     yield server
     server.stop()

@@ -12,7 +12,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lora_compile import Engine, EngineConfig
 from service._proto import pb, pb_grpc
 from service.cli import _server_config, client_main, serve_parser
 from service.client import (InvalidArgumentError, LoraServeClient, PermissionDeniedError, UnauthenticatedError,
@@ -21,7 +20,7 @@ from service.client_channel import ClientTLS
 from service.security import SecurityConfig, TlsConfig
 from service.server import ServerConfig
 from tests.certs import CertificateAuthority
-from tests.service_harness import LIMITS, ServerThread, demo_paths, shared_engine
+from tests.service_harness import ServerThread, build_engine, demo_paths, shared_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 API, ADMIN = "gen-secret-0123", "admin-secret-4567"
@@ -37,7 +36,7 @@ def rooted(tmp_path_factory):
     shutil.copytree(adapters["pirate"], root / "pirate")
     shutil.copytree(adapters["poet"], outside / "poet")
     model, _ = demo_paths()
-    engine = Engine(EngineConfig(model=str(model), adapter_roots=(str(root),), **LIMITS))
+    engine = build_engine(model, {}, adapter_roots=(str(root),))
     server = ServerThread(engine)
     yield server, root, outside
     server.stop()

@@ -163,3 +163,19 @@ def test_reflection_lists_the_services(served):
     assert generate.server_streaming and generate.output_type.full_name == "loraserve.v1.GenerateResponse"
     assert pool.FindMessageTypeByName("loraserve.v1.SamplingParams").fields_by_name["temperature"].has_presence
     channel.close()
+
+
+def test_server_warns_when_torch_runs_outside_the_engine_thread(caplog):
+    """A second thread running torch slows every step (service/engine_thread.py): the server says so."""
+    from lora_compile import Engine, EngineConfig
+    from tests.service_harness import LIMITS, demo_paths
+
+    def warned(engine) -> bool:
+        caplog.clear()
+        server = ServerThread(engine)
+        server.stop()
+        return any("outside the engine thread" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level("WARNING", logger="service.server"):
+        assert not warned(shared_engine())
+        assert warned(Engine(EngineConfig(model=str(demo_paths()[0]), **LIMITS)))
