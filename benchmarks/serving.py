@@ -5,7 +5,8 @@
 Starts `lora-serve` (compiled) on the SmolLM2-135M-shaped checkpoint with N rank-16 adapters, sends requests
 with seeded prompt/output lengths and adapters drawn uniform or Zipf, and reports TTFT, inter-token latency
 (P50/P95/P99), output tokens/s and request throughput. Then, in the same run, it measures the engine's bare
-decode step at the same batch size and prints P95 ITL against it (the service + scheduler overhead).
+decode step at the same batch size and prints P95 ITL against it, and replays the same requests through the
+bare engine offline (Engine.generate) to show how much of the ITL tail is the engine's own prefill work.
 With --target it only loads an already-running server.
 """
 from __future__ import annotations
@@ -72,11 +73,36 @@ async def one_request(client: AsyncLoraServeClient, prompt: list[int], adapter: 
     return result
 
 
+def request_specs(args, adapters: list[str], rng: random.Random | None = None) -> list[tuple[list[int], str | None, int]]:
+    """(prompt ids, adapter, max new tokens) per request, seeded."""
+    rng = rng or random.Random(args.seed)
+    return [([rng.randrange(3, 500) for _ in range(rng.randint(args.min_input, args.max_input))],
+             draw_adapter(rng, adapters, args.zipf), rng.randint(args.min_output, args.max_output))
+            for _ in range(args.num_requests)]
+
+
+def offline_itl(engine, specs: list[tuple[list[int], str | None, int]]) -> list[float]:
+    """The same requests through Engine.generate (no gRPC, no scheduler; all queued at once, so the batch
+    stays full): every sequence's gaps between consecutive tokens (s)."""
+    from lora_compile import SamplingParams
+
+    last: dict[int, float] = {}
+    gaps: list[float] = []
+
+    def on_token(seq_id: int, _token: int) -> None:
+        now = time.perf_counter()
+        if seq_id in last:
+            gaps.append(now - last[seq_id])
+        last[seq_id] = now
+
+    engine.generate([p for p, _, _ in specs], [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, _, n in specs],
+                    adapters=[a for _, a, _ in specs], on_token=on_token)
+    return gaps
+
+
 async def run_load(target: str, args, adapters: list[str]) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed)
-    specs = [([rng.randrange(3, 500) for _ in range(rng.randint(args.min_input, args.max_input))],
-              draw_adapter(rng, adapters, args.zipf), rng.randint(args.min_output, args.max_output))
-             for _ in range(args.num_requests)]
+    specs = request_specs(args, adapters, rng)  # then the same rng draws the arrival times
     async with AsyncLoraServeClient(target) as client:
         await one_request(client, [5, 6, 7], None, 2)  # connection set-up outside the measurement
         tasks = []
@@ -158,7 +184,8 @@ def main() -> None:
         # The bare engine, same weights and adapters, same batch size, decoding with the same adapter mix.
         from lora_compile import Engine, EngineConfig
         engine = Engine(EngineConfig(model=str(model), max_batch_size=args.max_batch_size, max_seq_len=512,
-                                     max_loras_per_batch=max(1, min(args.adapters, args.max_loras_per_batch))))
+                                     max_loras_per_batch=max(1, min(args.adapters, args.max_loras_per_batch)),
+                                     max_num_batched_tokens=args.max_num_batched_tokens))
         for n, d in zip(names, dirs):
             engine.adapters.register(n, str(d))
         engine.warmup()
@@ -166,6 +193,12 @@ def main() -> None:
         step = statistics.median(decode_step_time(engine, args.max_batch_size, mix, 12)[0] for _ in range(3))
         print(f"bare engine decode step at batch {args.max_batch_size}: {1000 * step:.1f} ms; "
               f"P95 ITL / step = {p95 / step:.2f}x")
+        # Prefill chunks make some steps longer than a decode step whatever serves them: the same requests
+        # through the bare engine show what the engine alone gives, so the ratio is the service's share.
+        offline = offline_itl(engine, request_specs(args, names))
+        o50, o95 = percentile(offline, 50), percentile(offline, 95)
+        print(f"bare engine, same requests offline: ITL P50 {1000 * o50:.1f} ms, P95 {1000 * o95:.1f} ms; "
+              f"served P95 / offline P95 = {p95 / o95:.2f}x")
 
 
 if __name__ == "__main__":

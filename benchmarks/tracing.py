@@ -18,6 +18,7 @@ import asyncio
 import os
 import random
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -79,6 +80,22 @@ def _time_span_building(telemetry) -> list:
     return spent
 
 
+def sdk_thread_cpu_s() -> float:
+    """CPU seconds used so far by the OpenTelemetry SDK's own threads (span batching and export, metric
+    export): /proc's per-thread utime + stime, in clock ticks."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for thread in threading.enumerate():
+        if thread.name.startswith("Otel") and thread.native_id is not None:
+            try:
+                with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def bootstrap_ci(values: list[float], resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the mean."""
     rng = random.Random(seed)
@@ -118,6 +135,7 @@ async def run(args: argparse.Namespace) -> None:
           f"base + {args.adapters} rank-16 adapters", flush=True)
 
     results: dict[str, list[float]] = {"off": [], "on": []}
+    sdk_cpu_start = sdk_thread_cpu_s()
     try:
         for r in range(args.rounds + 1):  # round 0 warms up caches and is dropped
             # Alternate which goes first, so a drift within a round does not favour either.
@@ -127,6 +145,7 @@ async def run(args: argparse.Namespace) -> None:
                 if r:
                     results[name].append(tput)
         await asyncio.to_thread(telemetry.force_flush)
+        sdk_cpu = sdk_thread_cpu_s() - sdk_cpu_start
     finally:
         for server in (off, on):
             await server.stop()
@@ -143,6 +162,12 @@ async def run(args: argparse.Namespace) -> None:
     mean_step = statistics.mean(s.total for s in step_times(sink.spans()))
     print(f"building spans on the event loop after each step: {1e6 * seconds / calls:.0f} us per step "
           f"({calls} steps; {100 * seconds / calls / mean_step:.2f}% of the mean step)")
+    # Work on another thread costs the step at most its own length (a GEMM thread it preempts stalls the
+    # other at the next barrier), so span building + export CPU per step, over the step, bounds the slowdown.
+    export = sdk_cpu / calls
+    print(f"exporting on the SDK's threads: {1e6 * export:.0f} us CPU per step; tracing work per step "
+          f"{1e6 * (seconds / calls + export):.0f} us = {100 * (seconds / calls + export) / mean_step:.2f}% of the "
+          f"mean step (the in-process receiver's work, a collector's elsewhere, not counted)")
     steps = step_times(sink.spans(), batch_size=args.batch)
     print(f"\nengine.step spans at batch {args.batch}, as received over OTLP "
           f"(batch-init share {100 * batch_init_share(steps):.1f}%):")
