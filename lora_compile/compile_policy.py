@@ -2,8 +2,8 @@
 
 - Regional compilation: the decoder layer is compiled once (fullgraph) and its graph serves all layers.
 - Sizes that change between steps are marked dynamic; dims are padded to >= 2 so that 0/1 specialisation
-  cannot add graphs after warm-up. Deliberate variants: highest LoRA slot m = 0 (no LoRA work at all),
-  m = 1 (one adapter: the common single-tenant case, without padding) and m >= 2.
+  cannot add graphs after warm-up. Deliberate variants: no adapter in the step (no LoRA work at all), and
+  adapters (any mix: per-token slot indices, one graph).
 - After warm-up, steps run under `fail_on_recompile`: a surprise recompile is an error, not a slowdown.
 - The Inductor cache directory persists across restarts, so a warm start skips code generation.
 """
@@ -49,19 +49,17 @@ def mark_token_dim(hidden: torch.Tensor) -> None:
     torch._dynamo.mark_dynamic(hidden, 0)
 
 
-def mark_dynamic(fb: ForwardBatch, max_loras: int) -> None:
-    """Mark every step-varying dim dynamic (all are >= 2 by construction, except the LoRA slot count m in {0, 1})."""
+def mark_dynamic(fb: ForwardBatch) -> None:
+    """Mark every step-varying dim dynamic (all are >= 2 by construction: a step has a dummy token)."""
     md = fb.attn
     tensors = [
         (fb.cos, (0,)), (fb.sin, (0,)), (md.slot_mapping, (0,)), (md.decode_token_idx, (0,)),
         (md.decode_q_pos, (0,)), (md.decode_kv_slots, (0,)), (md.decode_key_pos, (0,)),
         (md.prefill_token_idx, (0, 1)), (md.prefill_q_pos, (0, 1)), (md.prefill_kv_slots, (0,)),
-        (md.prefill_key_pos, (0,)), (md.out_idx, (0,)), (fb.lora.token_mask, (0,)),
+        (md.prefill_key_pos, (0,)), (md.out_idx, (0,)),
     ]
-    # m is bounded by max_loras (slicing the slot stacks guards m <= max_loras): with max_loras == 2 the
-    # range [2, 2] is a constant, so m = 2 is then a static variant of its own.
-    if fb.lora.token_mask.shape[1] >= 2 and max_loras > 2:
-        tensors.append((fb.lora.token_mask, (1,)))
+    if fb.lora.weight_indices is not None:
+        tensors.append((fb.lora.weight_indices, (0,)))
     for tensor, dims in tensors:
         for d in dims:
             torch._dynamo.mark_dynamic(tensor, d)

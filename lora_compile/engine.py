@@ -169,9 +169,9 @@ class Engine:
         n_single = len(single)
         n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
         dummy = n_tokens - 1
-        # Layers read LoRA slots 1..m, m the highest slot in the step; token t's own slot is column slot - 1.
+        # Each token indexes the layers' stacked LoRA weights: slot s at s - 1, base-model tokens the zero slot.
         lora_slots = {p.seq.lora_slot for p in (*single, *chunks)}
-        m = max(lora_slots)
+        zero_slot = self.config.max_loras_per_batch
 
         input_ids, positions, slot_mapping, lora_col = [], [], [], []
         for p in (*single, *chunks):
@@ -179,8 +179,8 @@ class Engine:
             input_ids += p.seq.tokens(p.start, p.start + p.length)
             positions += range(p.start, p.start + p.length)
             slot_mapping += range(kv + p.start, kv + p.start + p.length)
-            lora_col += [p.seq.lora_slot - 1] * p.length
-        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(-1)
+            lora_col += [p.seq.lora_slot - 1 if p.seq.lora_slot else zero_slot] * p.length
+        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(zero_slot)
 
         dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
         dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)
@@ -202,7 +202,7 @@ class Engine:
                 pre_pos += [0] * width
                 pre_kv.append(self._scratch_slot)
         out_idx.append(0)
-        mask = [1 if c == j else 0 for c in lora_col for j in range(m)]
+        weight_indices = lora_col if lora_slots != {0} else []
         logits_idx, sampled = [], []
         flat = 0
         for p in (*single, *chunks):
@@ -212,7 +212,7 @@ class Engine:
                 sampled.append(p.seq)
 
         fields = [input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos, pre_kv,
-                  out_idx, mask, logits_idx]
+                  out_idx, weight_indices, logits_idx]
         sizes = [len(f) for f in fields]
         total = sum(sizes)
         if total > self._meta_np.shape[0]:
@@ -229,7 +229,7 @@ class Engine:
             views.append(buf[start:start + size])
             start += size
         (v_ids, v_pos, v_slot_mapping, v_dec_idx, v_dec_pos, v_dec_kv, v_pre_idx, v_pre_pos, v_pre_kv,
-         v_out_idx, v_mask, v_logits_idx) = views
+         v_out_idx, v_weight_indices, v_logits_idx) = views
         attn = AttentionMetadata(
             slot_mapping=v_slot_mapping,
             decode_token_idx=v_dec_idx, decode_q_pos=v_dec_pos, decode_kv_slots=v_dec_kv,
@@ -238,7 +238,7 @@ class Engine:
             prefill_kv_slots=v_pre_kv, prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],
             out_idx=v_out_idx,
         )
-        lora = LoRABatch(token_mask=v_mask.view(n_tokens, m))
+        lora = LoRABatch(weight_indices=v_weight_indices if weight_indices else None)
         fb = ForwardBatch(cos=self.rope_cos[v_pos], sin=self.rope_sin[v_pos], attn=attn, lora=lora)
         return v_ids, fb, v_logits_idx, sampled, len(lora_slots - {0})
 
@@ -249,7 +249,7 @@ class Engine:
         single, chunks = self._plan(seqs)
         input_ids, fb, logits_idx, sampled, n_adapters = self._build_batch(single, chunks)
         if self._compiled:
-            compile_policy.mark_dynamic(fb, self.config.max_loras_per_batch)
+            compile_policy.mark_dynamic(fb)
         t1 = time.perf_counter()
         with compile_policy.steady_state(self._compiled and self._warmed_up):
             logits = self.model(input_ids, fb, logits_idx)
@@ -291,9 +291,9 @@ class Engine:
         if self._compiled and not self._warmed_up:
             max_tokens = self.config.max_num_batched_tokens
             lengths = [1, 1, 1, min(5, max_tokens // 4), min(7, max_tokens // 3)]
-            # Graph variants by highest LoRA slot m: 0 (base only), 1, and >= 2 (the slots hold zeros or
-            # registered adapters; these throwaway sequences write only to the scratch KV slot).
-            for m in sorted({0, 1, min(3, self.config.max_loras_per_batch)}):
+            # Graph variants: base model only, and with adapters (any mix: the slots hold zeros or registered
+            # adapters; these throwaway sequences write only to the scratch KV slot).
+            for m in sorted({0, min(3, self.config.max_loras_per_batch)}):
                 seqs = []
                 for i, n in enumerate(lengths):
                     seq = Sequence(-1 - i, list(range(1, n + 1)), SamplingParams(max_new_tokens=1))

@@ -27,9 +27,9 @@ class AttentionMetadata:
 
 @dataclass
 class LoRABatch:
-    # (T, m): 1 where token t uses device slot j + 1. m is the highest slot in the step (0: base model only),
-    # so layers read slots 1..m as views of their stacked weights, with no gather.
-    token_mask: torch.Tensor
+    # (T,) each token's index into the layers' stacked LoRA weights: device slot s at s - 1, and the zero slot
+    # (max_loras_per_batch) for base-model tokens. None when no token of the step uses an adapter.
+    weight_indices: torch.Tensor | None
 
 
 @dataclass

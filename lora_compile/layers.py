@@ -9,7 +9,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .forward_batch import LoRABatch
-from .packed_gemm import linear, packed_linear, prepack
+from .packed_gemm import linear, prepack
 
 
 class RMSNorm(nn.Module):
@@ -64,12 +64,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LoRALinear(nn.Module):
     """A linear layer (optionally several fused ones: qkv, gate_up) plus stacked LoRA slots.
 
-    Rows of `weight_ext` are the base weight followed by every slot's A (slot s at s-1; the base model,
-    slot 0, has no storage): one GEMM over its first `out + m·c·r` rows gives the base output and the LoRA
-    shrink of slots 1..m at once, with no copy. `lora_b[:, s-1]` is slot s's B (out, r), scaling folded in,
-    so `lora_b[:, :m]` viewed as (out, m·r) expands every slot at once, again with no copy.
-    Ranks below max_rank are zero-padded. Everything constant is a buffer created here: nothing is rebuilt
-    per batch.
+    Rows of `weight_ext` are the base weight followed by every stored slot's A: `lora_a_stack[i]` is slot
+    i + 1's (c·max_rank, in), and `lora_b[:, i]` its B (out, max_rank), scaling folded in. The last stored slot
+    is a spare that stays zero: tokens of the base model index it. Ranks below max_rank are zero-padded.
+    Everything constant is a buffer created here: nothing is rebuilt per batch.
     """
 
     def __init__(
@@ -88,9 +86,7 @@ class LoRALinear(nn.Module):
         self.output_sizes = tuple(output_sizes)
         self.max_rank = max_rank
         self.slot_rows = len(output_sizes) * max_rank  # rows of A per slot
-        # One spare slot that stays zero: slices [:m] are then never a whole dimension, so a step using every
-        # slot has the same strides (and compiled graph) as one using fewer.
-        n_stored = max_loras + 1
+        n_stored = max_loras + 1  # + the zero slot of base-model tokens
         self.register_buffer(
             "weight_ext",
             torch.zeros(out_features + n_stored * self.slot_rows, in_features, dtype=dtype, device=device),
@@ -112,48 +108,17 @@ class LoRALinear(nn.Module):
             "lora_b", torch.zeros(out_features, n_stored, max_rank, dtype=dtype, device=device), persistent=False
         )
         self.max_loras = max_loras
-        # oneDNN-packed copies (CPU float32, see packed_gemm), set by prepack() after loading: the base weight;
-        # and, for steps with several adapters, every slot's A at once and, per output slice, every slot's B
-        # at once (repacked when a slot changes: 0.4-0.8 ms per module at SmolLM2-135M's shapes, ~70 ms a load).
+        # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading.
         self.register_buffer("weight_packed", None, persistent=False)
-        self.register_buffer("lora_a_packed", None, persistent=False)
-        for i in range(len(self._slices)):
-            self.register_buffer(f"lora_b_all{i}", None, persistent=False)
-            self.register_buffer(f"lora_b_packed{i}", None, persistent=False)
+
+    @property
+    def lora_a_stack(self) -> torch.Tensor:
+        """Every stored slot's A, (max_loras + 1, c·max_rank, in): a view into weight_ext."""
+        return self.weight_ext[self.out_features :].view(-1, self.slot_rows, self.in_features)
 
     @torch.no_grad()
     def prepack(self) -> None:
         self.weight_packed = prepack(self.weight)
-        self._repack_lora()
-
-    def _lora_a_all(self) -> torch.Tensor:
-        return self.weight_ext[self.out_features : self.out_features + self.max_loras * self.slot_rows]
-
-    @torch.no_grad()
-    def _repack_lora(self) -> None:
-        if self.weight_packed is None:
-            return
-        self.lora_a_packed = prepack(self._lora_a_all())
-        for i, (start, end) in enumerate(self._slices):
-            b_all = self.lora_b[start:end, : self.max_loras].reshape(end - start, self.max_loras * self.max_rank)
-            setattr(self, f"lora_b_all{i}", b_all.contiguous())
-            setattr(self, f"lora_b_packed{i}", prepack(b_all))
-
-    def _forward_all_slots_packed(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-        """Several adapters, packed weights: shrink and expand over every slot (unused ones masked to zero),
-        three oneDNN GEMMs where the per-slot-count form runs MKL ones 2-3x slower at these sizes."""
-        tokens, m, r, n = x.shape[0], lora.token_mask.shape[1], self.max_rank, self.max_loras
-        shrink = packed_linear(x, self._lora_a_all(), self.lora_a_packed)
-        mask = F.pad(lora.token_mask, (0, n - m)).view(tokens, n, 1, 1)
-        h = shrink.view(tokens, n, len(self.output_sizes), r) * mask
-        deltas = [
-            packed_linear(
-                h[:, :, i, :].reshape(tokens, n * r), getattr(self, f"lora_b_all{i}"),
-                getattr(self, f"lora_b_packed{i}"),
-            )
-            for i in range(len(self._slices))
-        ]
-        return self._base(x) + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1))
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.weight_packed)
@@ -161,40 +126,22 @@ class LoRALinear(nn.Module):
 
     def lora_a(self, slot: int) -> torch.Tensor:
         """Slot `slot`'s stacked A rows, (c·max_rank, in): a view into weight_ext."""
-        start = self.out_features + (slot - 1) * self.slot_rows
-        return self.weight_ext[start : start + self.slot_rows]
+        return self.lora_a_stack[slot - 1]
 
     def forward(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-        m = lora.token_mask.shape[1]
-        if m == 0:  # base-model-only step: its own graph, with no LoRA work at all
-            return self._base(x)
-        tokens, r, out = x.shape[0], self.max_rank, self.out_features
-        if self.lora_a_packed is not None and m >= 2:
-            return self._forward_all_slots_packed(x, lora)
-        if self.weight_packed is not None:  # packed base GEMM, then the shrink by slots 1..m on its own
-            base = self._base(x)
-            shrink = linear(x, self.weight_ext[out : out + m * self.slot_rows])
-        else:  # one GEMM: base output | shrink by slots 1..m
-            y = linear(x, self.weight_ext[: out + m * self.slot_rows])
-            base = y[:, :out] if self.bias is None else y[:, :out] + self.bias
-            shrink = y[:, out:]
-        # Keep each token's own slot (mask), then expand with every slot's B at once. (F.linear here: with
-        # K = m·r this small, the weight-on-the-left form is the slower one; measured.)
-        h = shrink.reshape(tokens, m, len(self.output_sizes), r) * lora.token_mask.view(tokens, m, 1, 1)
-        deltas = [
-            F.linear(h[:, :, i, :].reshape(tokens, m * r), self.lora_b[start:end, :m].reshape(end - start, m * r))
-            for i, (start, end) in enumerate(self._slices)
-        ]
-        return base + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1))
+        base = self._base(x)
+        if lora.weight_indices is None:  # base-model-only step: its own graph, with no LoRA work at all
+            return base
+        delta = _lora_delta_indexed if torch.compiler.is_compiling() else _lora_delta_segmented
+        return base + delta(self, x, lora.weight_indices)
 
     @torch.no_grad()
     def load_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Copy one adapter into `slot` (>= 1) in place, then rebuild the packed copies (same shapes: they are
-        graph inputs, so nothing recompiles).
+        """Copy one adapter into `slot` (>= 1) in place (same tensors: nothing recompiles).
 
         parts[i] is (A (r, in), B_scaled (out_i, r)) for output slice i, or None where the adapter lacks it.
         """
-        self._zero_slot(slot)
+        self.clear_slot(slot)
         a_rows, b = self.lora_a(slot), self.lora_b[:, slot - 1]
         for i, part in enumerate(parts):
             if part is None:
@@ -204,13 +151,39 @@ class LoRALinear(nn.Module):
             start, end = self._slices[i]
             a_rows[i * self.max_rank : i * self.max_rank + r].copy_(a_part)
             b[start:end, :r].copy_(b_part)
-        self._repack_lora()
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
-        self._zero_slot(slot)
-        self._repack_lora()
-
-    def _zero_slot(self, slot: int) -> None:
         self.lora_a(slot).zero_()
         self.lora_b[:, slot - 1].zero_()
+
+
+def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
+    """Compiled: each token reads its own slot's A and B by index inside the reductions; Inductor fuses the
+    gather into the loop, so nothing is copied and a token costs one adapter's work whatever the mix. At decode
+    sizes this is 1.8x (one adapter) to 2.9x (8 adapters) faster than GEMMs over masked slots: small GEMMs are
+    dominated by per-call overhead (benchmarks/lora_layer.py)."""
+    tokens, c, r = x.shape[0], len(layer.output_sizes), layer.max_rank
+    shrink = (x[:, None, :] * layer.lora_a_stack[weight_indices]).sum(-1).view(tokens, c, r)
+    deltas = [
+        (shrink[:, None, i, :] * layer.lora_b[start:end].permute(1, 0, 2)[weight_indices]).sum(-1)
+        for i, (start, end) in enumerate(layer._slices)
+    ]
+    return deltas[0] if c == 1 else torch.cat(deltas, dim=-1)
+
+
+def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
+    """Eager: one GEMM pair per adapter in the step over its own tokens. (Eager would materialise the indexed
+    form's per-token weights; this reads the distinct slots on the host, which only eager may do.)"""
+    c, r = len(layer.output_sizes), layer.max_rank
+    delta = x.new_zeros(x.shape[0], layer.out_features)
+    zero_slot = layer.lora_a_stack.shape[0] - 1
+    for index in weight_indices.unique().tolist():
+        if index == zero_slot:
+            continue
+        rows = (weight_indices == index).nonzero().squeeze(1)
+        shrink = F.linear(x[rows], layer.lora_a_stack[index]).view(-1, c, r)
+        b = layer.lora_b[:, index]
+        delta[rows] = torch.cat(
+            [F.linear(shrink[:, i], b[start:end]) for i, (start, end) in enumerate(layer._slices)], dim=-1)
+    return delta

@@ -56,31 +56,56 @@ def test_output_offsets_are_construction_time_buffers():
     assert gate_up.output_offset.tolist() == [0, 128, 256]
 
 
-def test_packed_weights_are_derived_buffers_and_compute_the_same_product():
+def _lora_reference(layer: LoRALinear, x: torch.Tensor, slots: list[int], adapters: dict) -> torch.Tensor:
+    """Per token: W x + b + B_s (A_s x) for its own slot s, from the parts loaded into the layer."""
+    rows = []
+    for t, slot in enumerate(slots):
+        y = x[t] @ layer.weight.T + layer.bias
+        for i, part in enumerate(adapters.get(slot, [])):
+            if part is not None:
+                a, b = part
+                start, end = layer._slices[i]
+                y[start:end] += b @ (a @ x[t])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lora_layer_matches_per_token_reference_on_every_path(compiled):
+    """Base-only, one slot, and mixed slots, on plain and packed base weights, eager (segments) and compiled
+    (indexed): each token gets its own slot's delta; a slot loaded later is used at once."""
     torch.manual_seed(0)
     layer = LoRALinear(64, (64, 32, 32), bias=True, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
     layer.weight.normal_()
     layer.bias.normal_()
-    layer.load_slot(2, [(torch.randn(8, 64), torch.randn(64, 8)), None, (torch.randn(4, 64), torch.randn(32, 4))])
+    adapters = {2: [(torch.randn(8, 64), torch.randn(64, 8)), None, (torch.randn(4, 64), torch.randn(32, 4))]}
+    layer.load_slot(2, adapters[2])
     x = torch.randn(5, 64)
-    batches = [LoRABatch(token_mask=torch.zeros(5, 0)),  # base only
-               LoRABatch(token_mask=torch.tensor([[1.0]] * 3 + [[0.0]] * 2)),  # slot 1 (empty yet) and base
-               LoRABatch(token_mask=torch.tensor([[0.0, 1.0]] * 3 + [[0.0, 0.0]] * 2)),  # slot 2 and base
-               LoRABatch(token_mask=torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]] + [[1.0, 0.0]] * 2))]
-    plain = [layer(x, b) for b in batches]
-    layer.prepack()
-    assert "weight_packed" in dict(layer.named_buffers()) and "weight_packed" not in layer.state_dict()
-    for b, expected in zip(batches, plain):
-        torch.testing.assert_close(layer(x, b), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(plain[0], x @ layer.weight.T + layer.bias, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(plain[2][:3], plain[0][:3], atol=1e-2)  # the adapter did change its tokens
-    # Loading a slot after packing repacks: slot 1 now changes its tokens, on both paths alike.
-    layer.load_slot(1, [None, (torch.randn(8, 64), torch.randn(32, 8)), None])
-    packed = [layer(x, b) for b in batches]
-    layer.weight_packed = layer.lora_a_packed = None  # back to the plain path
-    for b, expected in zip(batches, packed):
-        torch.testing.assert_close(layer(x, b), expected, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(packed[3][0], plain[3][0], atol=1e-2)
+    zero = 2  # max_loras: the zero slot of base-model tokens
+    cases = [[0] * 5, [1, 1, 1, 0, 0], [2, 2, 2, 0, 0], [1, 2, 0, 1, 1]]  # device slot per token
+    forward = torch.compile(layer, fullgraph=True, dynamic=True) if compiled else layer
+
+    def run(slots: list[int]) -> torch.Tensor:
+        if not any(slots):
+            return forward(x, LoRABatch(weight_indices=None))
+        return forward(x, LoRABatch(weight_indices=torch.tensor([s - 1 if s else zero for s in slots])))
+
+    for packed in (False, True):
+        if packed:
+            layer.prepack()
+            assert "weight_packed" in dict(layer.named_buffers()) and "weight_packed" not in layer.state_dict()
+        for slots in cases:
+            torch.testing.assert_close(run(slots), _lora_reference(layer, x, slots, adapters), atol=1e-4, rtol=1e-4)
+        layer.weight_packed = None
+    assert not torch.allclose(run(cases[2])[:3], run(cases[0])[:3], atol=1e-2)  # the adapter did change its tokens
+    # Loading slot 1 later: its tokens change at once (in-place copy, same tensors).
+    adapters[1] = [None, (torch.randn(8, 64), torch.randn(32, 8)), None]
+    layer.load_slot(1, adapters[1])
+    for slots in cases:
+        torch.testing.assert_close(run(slots), _lora_reference(layer, x, slots, adapters), atol=1e-4, rtol=1e-4)
+    layer.clear_slot(2)
+    del adapters[2]
+    torch.testing.assert_close(run(cases[3]), _lora_reference(layer, x, cases[3], adapters), atol=1e-4, rtol=1e-4)
 
 
 def test_packed_linear_is_exact_at_every_row_count_with_few_onednn_sizes():

@@ -1,0 +1,125 @@
+"""Why LoRA is computed per token by index: one decoder layer's LoRA work, compiled, in the form the engine
+uses and in the GEMM forms it replaced, at decode and at prefill sizes.
+
+    python -m benchmarks.lora_layer [--tokens 9 257] [--rounds 7]
+
+SmolLM2-135M's shapes (qkv 576 -> 576+192+192, o 576 -> 576, gate_up 576 -> 2x1536, down 1536 -> 576), rank 16,
+8 adapter slots plus the zero slot, float32, packed base GEMMs. Forms:
+- indexed (lora_compile.layers): each token reads its own slot's A and B inside two reductions, fused by Inductor;
+- masked GEMMs, one slot: the previous one-adapter path (a shrink GEMM, one expand GEMM per fused slice);
+- masked GEMMs, all slots: the previous several-adapter path (shrink and expand over every slot, oneDNN-packed,
+  each token's other slots masked to zero).
+Prints microseconds per layer and the LoRA part (minus the base GEMMs alone), medians of interleaved rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lora_compile.layers import LoRALinear, _lora_delta_indexed
+from lora_compile.packed_gemm import packed_linear, plain_linear, prepack
+
+SHAPES = [(576, (576, 192, 192)), (576, (576,)), (576, (1536, 1536)), (1536, (576,))]
+RANK, SLOTS = 16, 8
+
+
+def make_layers() -> list[LoRALinear]:
+    torch.manual_seed(0)
+    layers = []
+    for in_features, outs in SHAPES:
+        layer = LoRALinear(in_features, outs, False, SLOTS, RANK, torch.float32, torch.device("cpu"))
+        layer.weight.normal_(std=in_features ** -0.5)
+        for slot in range(1, SLOTS + 1):
+            layer.load_slot(slot, [(torch.randn(RANK, in_features) * 0.05, torch.randn(o, RANK) * 0.05) for o in outs])
+        layer.prepack()
+        # What the masked all-slots form kept: every slot's A, and per slice every slot's B, oneDNN-packed.
+        layer.a_all = layer.lora_a_stack[:SLOTS].reshape(SLOTS * layer.slot_rows, in_features).contiguous()
+        layer.a_all_packed = prepack(layer.a_all)
+        layer.b_all = [layer.lora_b[s:e, :SLOTS].reshape(e - s, SLOTS * RANK).contiguous() for s, e in layer._slices]
+        layer.b_all_packed = [prepack(b) for b in layer.b_all]
+        layers.append(layer)
+    return layers
+
+
+def base(layer, x):
+    return packed_linear(x, layer.weight, layer.weight_packed)
+
+
+def indexed(layer, x, w, mask):
+    return base(layer, x) + _lora_delta_indexed(layer, x, w)
+
+
+def masked_one_slot(layer, x, w, mask):  # mask: (T, 1), slot 1
+    t, c = x.shape[0], len(layer.output_sizes)
+    h = plain_linear(x, layer.lora_a(1)).reshape(t, c, RANK) * mask.view(t, 1, 1)
+    deltas = [F.linear(h[:, i], layer.lora_b[s:e, 0]) for i, (s, e) in enumerate(layer._slices)]
+    return base(layer, x) + (deltas[0] if c == 1 else torch.cat(deltas, -1))
+
+
+def masked_all_slots(layer, x, w, mask):  # mask: (T, SLOTS)
+    t, c = x.shape[0], len(layer.output_sizes)
+    h = packed_linear(x, layer.a_all, layer.a_all_packed).view(t, SLOTS, c, RANK) * mask.view(t, SLOTS, 1, 1)
+    deltas = [packed_linear(h[:, :, i].reshape(t, SLOTS * RANK), layer.b_all[i], layer.b_all_packed[i])
+              for i in range(c)]
+    return base(layer, x) + (deltas[0] if c == 1 else torch.cat(deltas, -1))
+
+
+def compiled_layer(layers, form):
+    def run(x576, x1536, w, mask):
+        return [form(layer, x1536 if layer.in_features == 1536 else x576, w, mask) for layer in layers]
+    return torch.compile(run, fullgraph=True, dynamic=False)
+
+
+def measure(tokens: int, rounds: int, layers) -> None:
+    x576, x1536 = torch.randn(tokens, 576), torch.randn(tokens, 1536)
+    zero = SLOTS
+    one = torch.tensor([0] * (tokens - 1) + [zero])                       # every token on slot 1, one padding
+    mixed = torch.tensor([t % SLOTS for t in range(tokens - 1)] + [zero])  # 8 adapters
+    mask_one = (one == 0).float()[:, None]
+    mask_mixed = F.one_hot(mixed, SLOTS + 1)[:, :SLOTS].float()
+    forms = {
+        "base GEMMs alone": (compiled_layer(layers, lambda l, x, w, m: base(l, x)), one, mask_one),
+        "1 adapter, indexed": (compiled_layer(layers, indexed), one, mask_one),
+        "1 adapter, masked GEMMs": (compiled_layer(layers, masked_one_slot), one, mask_one),
+        "8 adapters, indexed": (compiled_layer(layers, indexed), mixed, mask_mixed),
+        "8 adapters, masked GEMMs": (compiled_layer(layers, masked_all_slots), mixed, mask_mixed),
+    }
+    # The forms agree (the masked ones are what the engine computed before).
+    for a, b in (("1 adapter, indexed", "1 adapter, masked GEMMs"), ("8 adapters, indexed", "8 adapters, masked GEMMs")):
+        fa, wa, ma = forms[a]
+        fb, wb, mb = forms[b]
+        for ya, yb in zip(fa(x576, x1536, wa, ma), fb(x576, x1536, wb, mb)):
+            torch.testing.assert_close(ya, yb, atol=1e-4, rtol=1e-4)
+    calls = max(5, 2700 // tokens)
+    samples: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(rounds):
+        for name, (fn, w, mask) in forms.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(x576, x1536, w, mask)
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    base_us = statistics.median(samples["base GEMMs alone"])
+    print(f"\n{tokens} tokens: us per layer (LoRA part = minus the base GEMMs alone)")
+    for name, values in samples.items():
+        us = statistics.median(values)
+        print(f"  {name:26s} {us:8.1f}   LoRA part {us - base_us:7.1f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[9, 257], help="rows (a decode step of batch B: B + 1)")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    layers = make_layers()
+    with torch.no_grad():
+        for tokens in args.tokens:
+            measure(tokens, args.rounds, layers)
+
+
+if __name__ == "__main__":
+    main()
