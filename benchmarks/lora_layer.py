@@ -75,6 +75,7 @@ def compiled_layer(layers, form):
 
 
 def measure(tokens: int, rounds: int, layers) -> None:
+    torch._dynamo.reset()  # every form at every size is a graph of its own: do not run into the recompile limit
     x576, x1536 = torch.randn(tokens, 576), torch.randn(tokens, 1536)
     zero = SLOTS
     one = torch.tensor([0] * (tokens - 1) + [zero])                       # every token on slot 1, one padding
