@@ -78,11 +78,12 @@ class Engine:
             tuple(config.adapter_roots),
         )
         max_tokens = config.max_num_batched_tokens + 1
-        self._arange = torch.arange(max(config.max_seq_len, max_tokens, config.max_loras_per_batch),
-                                    device=self.device)
+        self._arange = torch.arange(max(config.max_seq_len, max_tokens), device=self.device)
         # One metadata buffer per step; on CUDA filled from a pinned host copy with one non-blocking copy.
         rows = config.max_batch_size + 2
-        capacity = (5 + config.max_loras_per_batch) * max_tokens + 4 * rows + 2 * rows * max_tokens + 64
+        # Per token: ids, positions, slot_mapping, out_idx, weight_indices; per sequence: decode index, position
+        # and KV slot, prefill KV slot, sampled row; per prefill row: token index and position of each column.
+        capacity = 5 * max_tokens + 5 * rows + 2 * rows * max_tokens + 64
         self._meta_host = torch.zeros(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._meta_dev = self._meta_host if self.device.type == "cpu" else torch.zeros_like(self._meta_host, device=self.device)
         self._meta_np = self._meta_host.numpy()

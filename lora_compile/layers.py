@@ -177,9 +177,8 @@ def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: to
     form's per-token weights; this reads the distinct slots on the host, which only eager may do.)"""
     c, r = len(layer.output_sizes), layer.max_rank
     delta = x.new_zeros(x.shape[0], layer.out_features)
-    zero_slot = layer.lora_a_stack.shape[0] - 1
     for index in weight_indices.unique().tolist():
-        if index == zero_slot:
+        if index == layer.max_loras:  # the zero slot of base-model tokens
             continue
         rows = (weight_indices == index).nonzero().squeeze(1)
         shrink = F.linear(x[rows], layer.lora_a_stack[index]).view(-1, c, r)
