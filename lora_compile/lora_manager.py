@@ -43,7 +43,7 @@ class LoRAManager:
         self._adapter_in: list[str | None] = [None] * (max_loras + 1)  # slot 0 is the base model
         self._pins = [0] * (max_loras + 1)
         self._slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, max_loras + 1))
-        self._lock = threading.Lock()  # register/unregister come from RPC threads, acquire from the scheduler
+        self._lock = threading.Lock()  # library callers may register/unregister from any thread
 
     # --- registry -----------------------------------------------------------------------------------
     def register(self, name: str, path: str) -> AdapterInfo:
@@ -97,8 +97,7 @@ class LoRAManager:
             return slot
 
     def _free_slot(self) -> int | None:
-        """The lowest empty slot (steps read slots 1..highest in use, so low slots keep them cheap),
-        else the least recently used unpinned one."""
+        """The lowest empty slot, else the least recently used unpinned one."""
         empty = next((s for s in range(1, self.max_loras + 1) if self._adapter_in[s] is None), None)
         if empty is not None:
             return empty

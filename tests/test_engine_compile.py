@@ -24,7 +24,7 @@ def test_random_workload_never_recompiles(compiled_engines):
     running: list[Sequence] = []
     next_id, steps, sizes_seen = 1000, 0, set()
     torch._dynamo.utils.counters.clear()
-    # Start with every slot in use at once (m = max_loras_per_batch), then random traffic.
+    # Start with every slot in use at once (max_loras_per_batch adapters in one step), then random traffic.
     full = [Sequence(900 + i, [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True), n)
             for i, n in enumerate(names[1:engine.config.max_loras_per_batch + 1])]
     engine.generate([s.prompt_ids for s in full], full[0].sampling, adapters=[s.adapter for s in full])

@@ -106,6 +106,9 @@ def test_lora_layer_matches_per_token_reference_on_every_path(compiled):
     layer.clear_slot(2)
     del adapters[2]
     torch.testing.assert_close(run(cases[3]), _lora_reference(layer, x, cases[3], adapters), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="slot"):  # slot 0 would write the base model's zero slot
+        layer.load_slot(0, adapters[1])
+    torch.testing.assert_close(run(cases[0]), _lora_reference(layer, x, cases[0], {}), atol=1e-4, rtol=1e-4)
 
 
 def test_packed_linear_is_exact_at_every_row_count_with_few_onednn_sizes():
