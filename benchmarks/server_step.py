@@ -21,6 +21,7 @@ import time
 import torch
 
 from benchmarks.common import decode_step_time, smollm2_checkpoint
+from benchmarks.serving import percentile
 from lora_compile import Engine, EngineConfig
 from service import engine_thread
 from service.client import AsyncLoraServeClient
@@ -75,9 +76,6 @@ async def serve_and_stream(engine: Engine, gc_freeze: bool, gc_pauses: GcPauses)
     return gaps
 
 
-def pct(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
-
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -112,9 +110,9 @@ def main() -> None:
     ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
     print(f"torch in the {where}, {torch.get_num_threads()} threads, gc.freeze {'off' if args.no_gc_freeze else 'on'}")
     print(f"bare decode step {ms(bare)} ms; in-server step P50 {ms(statistics.median(steps))} ms "
-          f"({statistics.median(steps) / bare:.2f}x), P95 {ms(pct(steps, 0.95))} ms; gap between steps {ms(gap)} ms")
+          f"({statistics.median(steps) / bare:.2f}x), P95 {ms(percentile(steps, 95))} ms; gap between steps {ms(gap)} ms")
     print(f"ITL seen by the clients: P50 {ms(statistics.median(gaps))} ms ({statistics.median(gaps) / bare:.2f}x bare), "
-          f"P95 {ms(pct(gaps, 0.95))} ms ({pct(gaps, 0.95) / bare:.2f}x), P99 {ms(pct(gaps, 0.99))} ms; "
+          f"P95 {ms(percentile(gaps, 95))} ms ({percentile(gaps, 95) / bare:.2f}x), P99 {ms(percentile(gaps, 99))} ms; "
           f"GC: {gc_pauses.summary()}")
 
 
