@@ -1,13 +1,16 @@
 """Why the engine runs CPU float32 linears on oneDNN-packed weights (and plain ones as (W @ x.T).T): GEMM time
 for one decode step's weights, by row count.
 
-    python -m benchmarks.gemm
+    python -m benchmarks.gemm               # GEMM time by row count
+    python -m benchmarks.gemm --dispatch    # what calling the packed GEMM as an op costs per call
 
 The weights are those of the SmolLM2-135M shape (30 layers of qkv, o, gate_up, down, plus the 49152-row head):
 all distinct, so nothing stays in cache, as in a real step.
 """
 from __future__ import annotations
 
+import argparse
+import statistics
 import time
 
 import torch
@@ -39,7 +42,40 @@ def step_ms(weights: list[torch.Tensor], rows: int, form: str) -> float:
     return (time.perf_counter() - t0) / 5 * 1000
 
 
+def dispatch(rounds: int = 7, calls: int = 2000) -> None:
+    """Per-call time of one small packed GEMM (9 rows, a 64 x 576 weight, so the call dominates): oneDNN called
+    directly, through the engine's op (a Library definition, as Inductor calls it), and through the same kernel
+    registered with @torch.library.custom_op (how the op was defined before)."""
+    from torch.library import custom_op
+
+    @custom_op("lora_bench::packed_linear", mutates_args=())
+    def via_custom_op(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return packed_gemm._packed_linear(x, weight, packed)
+
+    weight = torch.randn(64, 576)
+    packed, x = packed_gemm.prepack(weight), torch.randn(9, 576)
+    forms = {
+        "oneDNN directly": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        "engine op (Library)": lambda: torch.ops.lora_compile.packed_linear.default(x, weight, packed),
+        "@custom_op": lambda: torch.ops.lora_bench.packed_linear.default(x, weight, packed),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(rounds):
+        for name, fn in forms.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us per call, 9 rows x 64 x 576")
+    for name, values in samples.items():
+        print(f"  {name:22s} {statistics.median(values):7.1f}")
+
+
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dispatch", action="store_true", help="per-call cost of the packed GEMM op instead")
+    if p.parse_args().dispatch:
+        return dispatch()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms for all GEMMs of one step")
     names = ("fp32 F.linear", "fp32 W-left", "fp32 packed", "bf16 F.linear", "bf16 W-left")
     print(f"{'rows':>5} " + " ".join(f"{n:>14}" for n in names))

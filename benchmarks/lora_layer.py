@@ -6,6 +6,8 @@ uses and in the GEMM forms it replaced, at decode and at prefill sizes.
 SmolLM2-135M's shapes (qkv 576 -> 576+192+192, o 576 -> 576, gate_up 576 -> 2x1536, down 1536 -> 576), rank 16,
 8 adapter slots plus the zero slot, float32, packed base GEMMs. Forms:
 - indexed (lora_compile.layers): each token reads its own slot's A and B inside two reductions, fused by Inductor;
+- indexed, B out-major: the same with B stored as (out, slot, rank), the layout used before (a rank-long reduction
+  with a horizontal sum per output, instead of one vectorised over outputs);
 - masked GEMMs, one slot: the previous one-adapter path (a shrink GEMM, one expand GEMM per fused slice);
 - masked GEMMs, all slots: the previous several-adapter path (shrink and expand over every slot, oneDNN-packed,
   each token's other slots masked to zero).
@@ -39,7 +41,10 @@ def make_layers() -> list[LoRALinear]:
         # What the masked all-slots form kept: every slot's A, and per slice every slot's B, oneDNN-packed.
         layer.a_all = layer.lora_a_stack[:SLOTS].reshape(SLOTS * layer.slot_rows, in_features).contiguous()
         layer.a_all_packed = prepack(layer.a_all)
-        layer.b_all = [layer.lora_b[s:e, :SLOTS].reshape(e - s, SLOTS * RANK).contiguous() for s, e in layer._slices]
+        layer.b_all = [layer.lora_b[:SLOTS, :, s:e].permute(2, 0, 1).reshape(e - s, SLOTS * RANK).contiguous()
+                       for s, e in layer._slices]
+        # The layout the indexed form used before: B as (out, slot, rank), rank innermost.
+        layer.b_out_major = layer.lora_b.permute(2, 0, 1).contiguous()
         layer.b_all_packed = [prepack(b) for b in layer.b_all]
         layers.append(layer)
     return layers
@@ -53,10 +58,18 @@ def indexed(layer, x, w, mask):
     return base(layer, x) + _lora_delta_indexed(layer, x, w)
 
 
+def indexed_out_major(layer, x, w, mask):  # the indexed form on B as (out, slot, rank): a reduction per output
+    t, c = x.shape[0], len(layer.output_sizes)
+    shrink = (x[:, None, :] * layer.lora_a_stack[w]).sum(-1).view(t, c, RANK)
+    deltas = [(shrink[:, None, i, :] * layer.b_out_major[s:e].permute(1, 0, 2)[w]).sum(-1)
+              for i, (s, e) in enumerate(layer._slices)]
+    return base(layer, x) + (deltas[0] if c == 1 else torch.cat(deltas, -1))
+
+
 def masked_one_slot(layer, x, w, mask):  # mask: (T, 1), slot 1
     t, c = x.shape[0], len(layer.output_sizes)
     h = plain_linear(x, layer.lora_a(1)).reshape(t, c, RANK) * mask.view(t, 1, 1)
-    deltas = [F.linear(h[:, i], layer.lora_b[s:e, 0]) for i, (s, e) in enumerate(layer._slices)]
+    deltas = [h[:, i] @ layer.lora_b[0, :, s:e] for i, (s, e) in enumerate(layer._slices)]
     return base(layer, x) + (deltas[0] if c == 1 else torch.cat(deltas, -1))
 
 
@@ -85,12 +98,16 @@ def measure(tokens: int, rounds: int, layers) -> None:
     forms = {
         "base GEMMs alone": (compiled_layer(layers, lambda l, x, w, m: base(l, x)), one, mask_one),
         "1 adapter, indexed": (compiled_layer(layers, indexed), one, mask_one),
+        "1 adapter, indexed, B out-major": (compiled_layer(layers, indexed_out_major), one, mask_one),
         "1 adapter, masked GEMMs": (compiled_layer(layers, masked_one_slot), one, mask_one),
         "8 adapters, indexed": (compiled_layer(layers, indexed), mixed, mask_mixed),
+        "8 adapters, indexed, B out-major": (compiled_layer(layers, indexed_out_major), mixed, mask_mixed),
         "8 adapters, masked GEMMs": (compiled_layer(layers, masked_all_slots), mixed, mask_mixed),
     }
     # The forms agree (the masked ones are what the engine computed before).
-    for a, b in (("1 adapter, indexed", "1 adapter, masked GEMMs"), ("8 adapters, indexed", "8 adapters, masked GEMMs")):
+    for a, b in (("1 adapter, indexed", "1 adapter, masked GEMMs"), ("8 adapters, indexed", "8 adapters, masked GEMMs"),
+                 ("1 adapter, indexed", "1 adapter, indexed, B out-major"),
+                 ("8 adapters, indexed", "8 adapters, indexed, B out-major")):
         fa, wa, ma = forms[a]
         fb, wb, mb = forms[b]
         for ya, yb in zip(fa(x576, x1536, wa, ma), fb(x576, x1536, wb, mb)):
@@ -107,7 +124,7 @@ def measure(tokens: int, rounds: int, layers) -> None:
     print(f"\n{tokens} tokens: us per layer (LoRA part = minus the base GEMMs alone)")
     for name, values in samples.items():
         us = statistics.median(values)
-        print(f"  {name:26s} {us:8.1f}   LoRA part {us - base_us:7.1f}")
+        print(f"  {name:34s} {us:8.1f}   LoRA part {us - base_us:7.1f}")
 
 
 def main() -> None:

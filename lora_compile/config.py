@@ -165,12 +165,17 @@ class EngineConfig:
     # CPU float32: run base projections on oneDNN-packed weights (2-3x faster GEMMs at decode sizes; a second
     # copy of the weights). Ignored where packed_gemm is not available.
     prepack_weights: bool = True
+    # With packed weights: once `merge_after_steps` consecutive steps use one adapter alone, run them on that adapter
+    # merged into a second packed copy of the projection weights (lora_merge; costs that copy's memory).
+    merge_lone_adapter: bool = False
+    merge_after_steps: int = 4
     inductor_cache_dir: str | None = None
     adapter_roots: tuple[str, ...] = ()  # empty: any directory may be registered (local/offline use)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "max_loras_per_batch", "max_lora_rank"):
+        for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "max_loras_per_batch", "max_lora_rank",
+                     "merge_after_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens <= self.max_batch_size:

@@ -17,6 +17,7 @@ from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from .layers import rope_tables
 from .lora_manager import LoRAManager
+from .lora_merge import LoneAdapterMerger
 from .model import CausalLM
 from .sampling import SamplingParams, sample
 from .sequence import Sequence
@@ -30,9 +31,11 @@ class StepOutput:
     logits: torch.Tensor | None = None  # (len(seq_ids), vocab) when asked for
     num_tokens: int = 0         # tokens processed (prefill chunks + decodes)
     num_adapters: int = 0       # distinct adapters in the step
+    merged: bool = False        # ran on its one adapter merged into the weights (lora_merge)
     kind: str = "decode"        # "decode", "prefill" or "mixed"
     start_ns: int = 0           # wall clock (time.time_ns) at the start of the step, for tracing
     batch_init_s: float = 0.0
+    merge_s: float = 0.0        # merging an adapter into the weights, when this step did (not in batch_init_s)
     forward_s: float = 0.0
     sample_s: float = 0.0
 
@@ -76,6 +79,10 @@ class Engine:
         self.adapters = LoRAManager(
             self.model, mc, config.max_loras_per_batch, config.max_lora_rank, config.max_cpu_loras,
             tuple(config.adapter_roots),
+        )
+        self._merger = (
+            LoneAdapterMerger(self.model, self.adapters.slot_generation, config.merge_after_steps)
+            if config.merge_lone_adapter and self.weights_packed else None
         )
         max_tokens = config.max_num_batched_tokens + 1
         self._arange = torch.arange(max(config.max_seq_len, max_tokens), device=self.device)
@@ -163,7 +170,7 @@ class Engine:
             (single if n == 1 else chunks).append(_Planned(seq, seq.num_computed_tokens, n))
         return single, chunks
 
-    def _build_batch(self, single: list[_Planned], chunks: list[_Planned]):
+    def _build_batch(self, single: list[_Planned], chunks: list[_Planned], merged: bool = False):
         """Batch init: pack all per-step metadata into one buffer, one copy to the device, then views."""
         max_len = self.config.max_seq_len
         scratch = self._scratch_slot * max_len  # where padding tokens write their K/V
@@ -203,7 +210,7 @@ class Engine:
                 pre_pos += [0] * width
                 pre_kv.append(self._scratch_slot)
         out_idx.append(0)
-        weight_indices = lora_col if lora_slots != {0} else []
+        weight_indices = lora_col if lora_slots != {0} and not merged else []  # merged: no LoRA work
         logits_idx, sampled = [], []
         flat = 0
         for p in (*single, *chunks):
@@ -248,7 +255,8 @@ class Engine:
         """Run one forward over `seqs` and give each sequence that completed its tokens one new token."""
         start_ns, t0 = time.time_ns(), time.perf_counter()
         single, chunks = self._plan(seqs)
-        input_ids, fb, logits_idx, sampled, n_adapters = self._build_batch(single, chunks)
+        merged, merge_s = self._select_weights(single, chunks)
+        input_ids, fb, logits_idx, sampled, n_adapters = self._build_batch(single, chunks, merged)
         if self._compiled:
             compile_policy.mark_dynamic(fb)
         t1 = time.perf_counter()
@@ -271,9 +279,18 @@ class Engine:
         return StepOutput(
             seq_ids=[s.seq_id for s in sampled], token_ids=token_ids,
             logits=logits if return_logits else None,
-            num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=n_adapters, kind=kind,
-            start_ns=start_ns, batch_init_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2,
+            num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=n_adapters, kind=kind, merged=merged,
+            start_ns=start_ns, batch_init_s=t1 - t0 - merge_s, merge_s=merge_s, forward_s=t2 - t1, sample_s=t3 - t2,
         )
+
+    def _select_weights(self, single: list[_Planned], chunks: list[_Planned]) -> tuple[bool, float]:
+        """Whether the step runs on its lone adapter merged into the weights, and the seconds merging took."""
+        if self._merger is None:
+            return False, 0.0
+        slots = {p.seq.lora_slot for p in (*single, *chunks)}
+        lone = next(iter(slots)) if len(slots) == 1 and 0 not in slots else None
+        rows = len(single) + sum(p.length for p in chunks) + 1  # + the dummy token
+        return self._merger.select(lone, rows)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling

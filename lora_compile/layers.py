@@ -65,7 +65,7 @@ class LoRALinear(nn.Module):
     """A linear layer (optionally several fused ones: qkv, gate_up) plus stacked LoRA slots.
 
     Rows of `weight_ext` are the base weight followed by every stored slot's A: `lora_a_stack[i]` is slot
-    i + 1's (c·max_rank, in), and `lora_b[:, i]` its B (out, max_rank), scaling folded in. The last stored slot
+    i + 1's (c·max_rank, in), and `lora_b[i]` its B transposed (max_rank, out), scaling folded in. The last stored slot
     is a spare that stays zero: tokens of the base model index it. Ranks below max_rank are zero-padded.
     Everything constant is a buffer created here: nothing is rebuilt per batch.
     """
@@ -104,12 +104,17 @@ class LoRALinear(nn.Module):
         self.register_buffer("output_offset", torch.tensor(offsets, dtype=torch.int64, device=device), persistent=False)
         # Python copy of the same offsets: slicing by them in the compiled graph keeps the shapes static.
         self._slices = tuple(zip(offsets[:-1], offsets[1:]))
+        # B transposed, output dim innermost: the expand then vectorises over outputs and sums over the rank
+        # with no horizontal reduction per output (python -m benchmarks.lora_layer).
         self.register_buffer(
-            "lora_b", torch.zeros(out_features, n_stored, max_rank, dtype=dtype, device=device), persistent=False
+            "lora_b", torch.zeros(n_stored, max_rank, out_features, dtype=dtype, device=device), persistent=False
         )
         self.max_loras = max_loras
-        # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading.
+        # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading;
+        # while a lone adapter runs merged (lora_merge), weight_packed is that adapter's merged pack.
         self.register_buffer("weight_packed", None, persistent=False)
+        self.register_buffer("weight_packed_base", None, persistent=False)
+        self.register_buffer("weight_packed_merged", None, persistent=False)
 
     @property
     def lora_a_stack(self) -> torch.Tensor:
@@ -123,6 +128,15 @@ class LoRALinear(nn.Module):
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.weight_packed)
         return y if self.bias is None else y + self.bias
+
+    @torch.no_grad()
+    def merged_weight(self, slot: int) -> torch.Tensor:
+        """W + B·A for slot `slot` (scaling folded in), (out, in): the weight a token of that adapter sees."""
+        a_rows, b = self.lora_a(slot), self.lora_b[slot - 1]
+        merged = self.weight.clone()
+        for i, (start, end) in enumerate(self._slices):
+            merged[start:end] += b[:, start:end].T @ a_rows[i * self.max_rank : (i + 1) * self.max_rank]
+        return merged
 
     def lora_a(self, slot: int) -> torch.Tensor:
         """Slot `slot`'s stacked A rows, (c·max_rank, in): a view into weight_ext."""
@@ -144,7 +158,7 @@ class LoRALinear(nn.Module):
         parts[i] is (A (r, in), B_scaled (out_i, r)) for output slice i, or None where the adapter lacks it.
         """
         self.clear_slot(slot)
-        a_rows, b = self.lora_a(slot), self.lora_b[:, slot - 1]
+        a_rows, b = self.lora_a(slot), self.lora_b[slot - 1]
         for i, part in enumerate(parts):
             if part is None:
                 continue
@@ -152,12 +166,12 @@ class LoRALinear(nn.Module):
             r = a_part.shape[0]
             start, end = self._slices[i]
             a_rows[i * self.max_rank : i * self.max_rank + r].copy_(a_part)
-            b[start:end, :r].copy_(b_part)
+            b[:r, start:end].copy_(b_part.T)
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
         self.lora_a(slot).zero_()
-        self.lora_b[:, slot - 1].zero_()
+        self.lora_b[slot - 1].zero_()
 
 
 def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
@@ -168,10 +182,8 @@ def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torc
     single adapter the GEMM form was cheaper (LoRA 2% of the layer against 6%); with 8 adapters this is 6x cheaper."""
     tokens, c, r = x.shape[0], len(layer.output_sizes), layer.max_rank
     shrink = (x[:, None, :] * layer.lora_a_stack[weight_indices]).sum(-1).view(tokens, c, r)
-    deltas = [
-        (shrink[:, None, i, :] * layer.lora_b[start:end].permute(1, 0, 2)[weight_indices]).sum(-1)
-        for i, (start, end) in enumerate(layer._slices)
-    ]
+    b = layer.lora_b[weight_indices]  # (T, r, out): indexing, fused into the reduction below
+    deltas = [(shrink[:, i, :, None] * b[:, :, start:end]).sum(1) for i, (start, end) in enumerate(layer._slices)]
     return deltas[0] if c == 1 else torch.cat(deltas, dim=-1)
 
 
@@ -185,7 +197,6 @@ def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: to
             continue
         rows = (weight_indices == index).nonzero().squeeze(1)
         shrink = F.linear(x[rows], layer.lora_a_stack[index]).view(-1, c, r)
-        b = layer.lora_b[:, index]
-        delta[rows] = torch.cat(
-            [F.linear(shrink[:, i], b[start:end]) for i, (start, end) in enumerate(layer._slices)], dim=-1)
+        b = layer.lora_b[index]
+        delta[rows] = torch.cat([shrink[:, i] @ b[:, start:end] for i, (start, end) in enumerate(layer._slices)], dim=-1)
     return delta

@@ -43,6 +43,8 @@ class LoRAManager:
         self._adapter_in: list[str | None] = [None] * (max_loras + 1)  # slot 0 is the base model
         self._pins = [0] * (max_loras + 1)
         self._slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, max_loras + 1))
+        # Bumped whenever a slot's weights change, so that what was derived from them (merged packs) is redone.
+        self.slot_generation = [0] * (max_loras + 1)
         self._lock = threading.Lock()  # library callers may register/unregister from any thread
 
     # --- registry -----------------------------------------------------------------------------------
@@ -126,6 +128,7 @@ class LoRAManager:
         slot = self._slot_of.pop(name, None)
         if slot is not None:
             self._adapter_in[slot] = None
+            self.slot_generation[slot] += 1
             for layer in self._model.layers:
                 for module in _lora_modules(layer):
                     module.clear_slot(slot)
@@ -154,6 +157,7 @@ class LoRAManager:
                 module.load_slot(slot, [weights.get(n) for n in names])
         self._adapter_in[slot] = adapter.name
         self._slot_of[adapter.name] = slot
+        self.slot_generation[slot] += 1
 
     def _info(self, name: str) -> AdapterInfo:
         meta = self._meta[name]

@@ -56,6 +56,41 @@ def attend(
     return out.permute(0, 2, 1, 3, 4).reshape(batch * length, n_heads * head_dim)
 
 
+def attend_decode(
+    q: torch.Tensor,            # (T, H, D)
+    k_cache: torch.Tensor,      # (slots, max_seq_len, Hkv, D)
+    v_cache: torch.Tensor,
+    token_idx: torch.Tensor,    # (B,) the one query token of each decoding sequence
+    q_pos: torch.Tensor,        # (B,)
+    kv_slots: torch.Tensor,     # (B,)
+    key_pos: torch.Tensor,      # (S,)
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """attend() for one query per sequence; returns (B, H*D).
+
+    Compiled, both products are reductions that read K and V straight from the cache by slot inside the loop:
+    nothing is gathered into a (B, Hkv, D, S) copy and no bmm is called, which halves decode attention at
+    batch 8 (python -m benchmarks.attention). Eager would materialise the broadcast products: it keeps attend()."""
+    if not torch.compiler.is_compiling():
+        return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], kv_slots, key_pos, scale,
+                      sliding_window)
+    batch, s = token_idx.shape[0], key_pos.shape[0]
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv = k_cache.shape[2]
+    group = n_heads // n_kv
+    qb = q[token_idx].view(batch, 1, n_kv, group, head_dim).float()
+    k = k_cache[kv_slots, :s][:, :, :, None, :]  # (B, S, Hkv, 1, D): indexing, fused into the reduction
+    scores = (qb * k.float()).sum(-1) * scale    # (B, S, Hkv, G)
+    visible = key_pos[None, :] <= q_pos[:, None]  # (B, S)
+    if sliding_window is not None:
+        visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1).to(q.dtype)
+    out = (probs[..., None] * v_cache[kv_slots, :s][:, :, :, None, :]).sum(1)  # (B, Hkv, G, D)
+    return out.reshape(batch, n_heads * head_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
         super().__init__()
@@ -89,8 +124,8 @@ class Attention(nn.Module):
         # Write this step's keys/values first, so each query block reads its own chunk from the cache too.
         self.k_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = k
         self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v
-        decode = attend(
-            q, self.k_cache, self.v_cache, md.decode_token_idx[:, None], md.decode_q_pos[:, None],
+        decode = attend_decode(
+            q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
             md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window,
         )
         prefill = attend(

@@ -57,6 +57,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
                         "memory; slower decode)")
+    p.add_argument("--merge-lone-adapter", action="store_true",
+                   help="CPU float32, packed weights: when every running request uses the same adapter, merge it into "
+                        "a second packed copy of the weights and skip LoRA work (costs that copy's memory)")
+    p.add_argument("--merge-after-steps", type=int, default=engine_defaults["merge_after_steps"],
+                   help="steps on one adapter alone before it is merged (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=server_defaults.max_queue,
                    help="requests that may wait beyond a full batch before RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
@@ -170,6 +175,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
             max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
             prepack_weights=not args.no_prepack_weights, adapter_roots=roots, max_cpu_loras=args.max_cpu_loras,
+            merge_lone_adapter=args.merge_lone_adapter, merge_after_steps=args.merge_after_steps,
         )
         server_config = _server_config(args)
         t0 = time.perf_counter()

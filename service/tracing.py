@@ -244,7 +244,8 @@ class Telemetry:
         self.forward.record(step.forward_s, kind)
         t0 = step.start_ns
         t1 = t0 + int(step.batch_init_s * 1e9)
-        t2 = t1 + int(step.forward_s * 1e9)
+        t1m = t1 + int(step.merge_s * 1e9)
+        t2 = t1m + int(step.forward_s * 1e9)
         t3 = t2 + int(step.sample_s * 1e9)
         links = [Link(rt.span.get_span_context()) for rt in requests if rt.span.is_recording()]
         span = self.tracer.start_span("engine.step", context=_ROOT, links=links, start_time=t0, attributes={
@@ -253,10 +254,14 @@ class Telemetry:
             "lora_serve.step.num_tokens": step.num_tokens,
             "lora_serve.step.num_adapters": step.num_adapters,
             "lora_serve.step.num_sampled": len(step.seq_ids),
+            "lora_serve.step.lora_merged": step.merged,
         })
         if span.is_recording():
             ctx = trace.set_span_in_context(span)
-            for name, start, end in (("lora.batch_init", t0, t1), ("model.forward", t1, t2), ("sample", t2, t3)):
+            children = [("lora.batch_init", t0, t1), ("model.forward", t1m, t2), ("sample", t2, t3)]
+            if step.merge_s:  # this step merged its lone adapter into the weights first (lora_merge)
+                children.insert(1, ("lora.merge", t1, t1m))
+            for name, start, end in children:
                 self.tracer.start_span(name, context=ctx, start_time=start).end(end_time=end)
         span.end(end_time=t3)
 
@@ -282,7 +287,7 @@ class Telemetry:
 
 
 def step_end_ns(step: StepOutput) -> int:
-    return step.start_ns + int((step.batch_init_s + step.forward_s + step.sample_s) * 1e9)
+    return step.start_ns + int((step.batch_init_s + step.merge_s + step.forward_s + step.sample_s) * 1e9)
 
 
 # --- one gRPC call ---------------------------------------------------------------------------------------

@@ -166,6 +166,25 @@ def test_generate_span_tree(stack: Stack):
         init, forward, sample = phases["lora.batch_init"], phases["model.forward"], phases["sample"]
         assert step.start_ns == init.start_ns <= init.end_ns == forward.start_ns <= forward.end_ns == sample.start_ns
         assert sample.end_ns == step.end_ns and step.parent_id == ""  # each step is a trace of its own
+        assert sa["lora_serve.step.lora_merged"] is False and "lora.merge" not in phases
+
+
+def test_a_merging_step_shows_its_merge_between_batch_init_and_forward(stack: Stack):
+    """A step that merged its lone adapter into the weights (lora_merge) carries that cost as its own span."""
+    from lora_compile.engine import StepOutput
+    step = StepOutput(seq_ids=[7], token_ids=[3], num_tokens=4, num_adapters=1, kind="decode", merged=True,
+                      start_ns=time.time_ns(), batch_init_s=0.001, merge_s=0.120, forward_s=0.050, sample_s=0.002)
+    stack.telemetry.record_step(step, batch_size=4)
+
+    def merged_steps(spans):
+        return [s for s in spans if s.name == "engine.step" and s.start_ns == step.start_ns]
+
+    [span] = merged_steps(stack.collect(merged_steps))
+    assert span.attributes["lora_serve.step.lora_merged"] is True
+    phases = children(stack.sink.spans(), span)
+    init, merge, forward = phases["lora.batch_init"], phases["lora.merge"], phases["model.forward"]
+    assert init.end_ns == merge.start_ns and merge.end_ns == forward.start_ns == init.end_ns + 120_000_000
+    assert phases["sample"].end_ns == span.end_ns
 
 
 def test_sdk_continues_the_callers_trace(stack: Stack):

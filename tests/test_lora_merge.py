@@ -1,0 +1,82 @@
+"""A batch on one adapter alone runs on that adapter merged into the packed weights (lora_merge): the same tokens
+as peft, back to per-token LoRA as soon as the batch mixes, and never a stale merge after its slot is reloaded."""
+from __future__ import annotations
+
+import pytest
+
+from lora_compile import packed_gemm
+
+from tests.checkpoints import reference_greedy
+from tests.conftest import build_engine
+from tests.test_engine_golden import NEW_TOKENS, PROMPTS, assert_matches_reference, run_joining
+from tests.test_lora import check_mixed_batch
+
+
+def recording_steps(engine) -> list:
+    """Make engine.step record its StepOutputs."""
+    outputs, step = [], engine.step
+
+    def record(*args, **kwargs):
+        out = step(*args, **kwargs)
+        outputs.append(out)
+        return out
+
+    engine.step = record
+    return outputs
+
+
+# Six sequences, so that decode steps have 7 rows (GEMMs on packed weights) until the first ones finish.
+LONE_PROMPTS = PROMPTS + [PROMPTS[0][:5], PROMPTS[2][:12]]
+LONE_JOIN_AT = [0, 0, 3, 7, 0, 1]
+
+
+def run_lone(engine, model_dir, adapter_name, adapter_dir, outputs):
+    outputs.clear()
+    tokens, logits = run_joining(engine, LONE_PROMPTS, adapters=[adapter_name] * len(LONE_PROMPTS), join_at=LONE_JOIN_AT)
+    assert_matches_reference(model_dir, LONE_PROMPTS, tokens, logits, [adapter_dir] * len(LONE_PROMPTS))
+    return [out.merged for out in outputs]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lone_adapter_runs_merged_matches_peft_and_unmerges_for_mixed_batches(models, adapters, compiled):
+    model_dir, dirs = models["llama"], adapters["llama"]
+    engine = build_engine(model_dir, dirs, compile=compiled, merge_lone_adapter=True, merge_after_steps=3)
+    outputs = recording_steps(engine)
+
+    merged = run_lone(engine, model_dir, "all4", dirs["all4"], outputs)
+    # The first steps use per-token LoRA; from the third on the adapter runs merged, in every step whose GEMMs all
+    # run on packed weights (2-5 rows run on the unpacked ones: per-token LoRA there).
+    packed = [packed_gemm.packed_rows(out.num_tokens + 1) is not None for out in outputs]
+    assert sum(packed[2:]) > 10 and not all(packed), f"the run should cover both kinds of step: {packed}"
+    assert merged == [i >= 2 and p for i, p in enumerate(packed)], merged
+    assert engine._merger.merges == 1
+    first = merged.index(True)
+    assert outputs[first].merge_s > 0 and all(out.merge_s == 0 for i, out in enumerate(outputs) if i != first)
+
+    # A batch mixing adapters and the base model is back on the base weights, per-token LoRA.
+    outputs.clear()
+    check_mixed_batch(engine, model_dir, dirs)
+    assert not any(out.merged for out in outputs)
+
+    # The same adapter alone again: its merged weights are still valid, nothing is merged twice.
+    assert any(run_lone(engine, model_dir, "all4", dirs["all4"], outputs))
+    assert engine._merger.merges == 1
+
+    # Its slot reloaded with another adapter: that one is merged afresh, never the stale weights.
+    slot = engine.adapters.list()[[a.name for a in engine.adapters.list()].index("all4")].device_slot
+    engine.adapters.unregister("all4")
+    engine.adapters.register("other", str(dirs["mlp16rs"]))
+    engine.adapters.acquire("other")
+    assert engine.adapters.list()[[a.name for a in engine.adapters.list()].index("other")].device_slot == slot
+    engine.adapters.release(slot)
+    assert any(run_lone(engine, model_dir, "other", dirs["mlp16rs"], outputs))
+    assert engine._merger.merges == 2
+
+
+def test_merging_is_off_by_default_and_needs_packed_weights(models, adapters):
+    model_dir, dirs = models["llama"], adapters["llama"]
+    assert build_engine(model_dir, dirs, compile=False)._merger is None
+    assert build_engine(model_dir, dirs, compile=False, prepack_weights=False, merge_lone_adapter=True)._merger is None
+    # Reference for the lone-adapter runs above: the adapter changes the output, so a merge that dropped it would fail.
+    assert reference_greedy(model_dir, PROMPTS[0], NEW_TOKENS, dirs["all4"])[0] != \
+        reference_greedy(model_dir, PROMPTS[0], NEW_TOKENS)[0]
