@@ -11,11 +11,10 @@ both from the cache by slot inside Inductor's loops. Prints microseconds per cal
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from benchmarks.common import interleaved, per_call_us
 from lora_compile.model import attend, attend_decode
 
 HKV, GROUP, HEAD_DIM, SLOTS, MAX_LEN = 3, 3, 64, 33, 256
@@ -42,16 +41,10 @@ def measure(batch: int, keys: int, rounds: int) -> None:
     for fn in forms.values():
         torch.testing.assert_close(fn(*args), reference, atol=1e-5, rtol=1e-5)
     calls = 200
-    samples: dict[str, list[float]] = {name: [] for name in forms}
-    for _ in range(rounds):
-        for name, fn in forms.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn(*args)
-            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    us = interleaved({name: per_call_us(lambda fn=fn: fn(*args), calls) for name, fn in forms.items()}, rounds)
     print(f"\nbatch {batch}, {keys} keys: us per call")
-    for name, values in samples.items():
-        print(f"  {name:24s} {statistics.median(values):8.1f}")
+    for name, value in us.items():
+        print(f"  {name:24s} {value:8.1f}")
 
 
 def main() -> None:

@@ -112,5 +112,15 @@ def interleaved(measures: dict[str, Callable[[], float]], rounds: int) -> dict[s
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def per_call_us(fn: Callable[[], object], calls: int) -> Callable[[], float]:
+    """A measure for `interleaved`: microseconds per call of `fn`, over `calls` calls."""
+    def measure() -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e6
+    return measure
+
+
 def fmt_row(cells, widths) -> str:
     return "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))

@@ -10,12 +10,12 @@ all distinct, so nothing stays in cache, as in a real step.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import interleaved, per_call_us
 from lora_compile import packed_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
@@ -59,16 +59,10 @@ def dispatch(rounds: int = 7, calls: int = 2000) -> None:
         "engine op (Library)": lambda: torch.ops.lora_compile.packed_linear.default(x, weight, packed),
         "@custom_op": lambda: torch.ops.lora_bench.packed_linear.default(x, weight, packed),
     }
-    samples: dict[str, list[float]] = {name: [] for name in forms}
-    for _ in range(rounds):
-        for name, fn in forms.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    us = interleaved({name: per_call_us(fn, calls) for name, fn in forms.items()}, rounds)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us per call, 9 rows x 64 x 576")
-    for name, values in samples.items():
-        print(f"  {name:22s} {statistics.median(values):7.1f}")
+    for name, value in us.items():
+        print(f"  {name:22s} {value:7.1f}")
 
 
 def main() -> None:
