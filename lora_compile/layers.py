@@ -113,8 +113,6 @@ class LoRALinear(nn.Module):
         # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading;
         # while a lone adapter runs merged (lora_merge), weight_packed is that adapter's merged pack.
         self.register_buffer("weight_packed", None, persistent=False)
-        self.register_buffer("weight_packed_base", None, persistent=False)
-        self.register_buffer("weight_packed_merged", None, persistent=False)
 
     @property
     def lora_a_stack(self) -> torch.Tensor:

@@ -30,6 +30,10 @@ LONE_PROMPTS = PROMPTS + [PROMPTS[0][:5], PROMPTS[2][:12]]
 LONE_JOIN_AT = [0, 0, 3, 7, 0, 1]
 
 
+def device_slot(engine, name: str) -> int | None:
+    return next(a.device_slot for a in engine.adapters.list() if a.name == name)
+
+
 def run_lone(engine, model_dir, adapter_name, adapter_dir, outputs):
     outputs.clear()
     tokens, logits = run_joining(engine, LONE_PROMPTS, adapters=[adapter_name] * len(LONE_PROMPTS), join_at=LONE_JOIN_AT)
@@ -63,11 +67,11 @@ def test_lone_adapter_runs_merged_matches_peft_and_unmerges_for_mixed_batches(mo
     assert engine._merger.merges == 1
 
     # Its slot reloaded with another adapter: that one is merged afresh, never the stale weights.
-    slot = engine.adapters.list()[[a.name for a in engine.adapters.list()].index("all4")].device_slot
+    slot = device_slot(engine, "all4")
     engine.adapters.unregister("all4")
     engine.adapters.register("other", str(dirs["mlp16rs"]))
     engine.adapters.acquire("other")
-    assert engine.adapters.list()[[a.name for a in engine.adapters.list()].index("other")].device_slot == slot
+    assert device_slot(engine, "other") == slot
     engine.adapters.release(slot)
     assert any(run_lone(engine, model_dir, "other", dirs["mlp16rs"], outputs))
     assert engine._merger.merges == 2
