@@ -98,7 +98,7 @@ class Engine:
         self._compiled = config.compile
         self._warmed_up = False
         if self._compiled:
-            compile_policy.compile_layers(self.model.layers)
+            compile_policy.compile_model(self.model)
 
     @property
     def weights_packed(self) -> bool:

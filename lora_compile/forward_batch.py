@@ -5,7 +5,7 @@ between steps are dynamic dimensions of these tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -38,3 +38,17 @@ class ForwardBatch:
     sin: torch.Tensor
     attn: AttentionMetadata
     lora: LoRABatch
+
+    def flat(self) -> tuple[torch.Tensor | None, ...]:
+        """Every field in a fixed order (weight_indices last), for calls that take only plain arguments."""
+        md = self.attn
+        return (self.cos, self.sin, *(getattr(md, name) for name in _ATTN_FIELDS), self.lora.weight_indices)
+
+    @classmethod
+    def from_flat(cls, flat: tuple[torch.Tensor | None, ...]) -> ForwardBatch:
+        attn = AttentionMetadata(*flat[2:-1])
+        return cls(cos=flat[0], sin=flat[1], attn=attn, lora=LoRABatch(flat[-1]))
+
+
+_ATTN_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
+

@@ -64,10 +64,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LoRALinear(nn.Module):
     """A linear layer (optionally several fused ones: qkv, gate_up) plus stacked LoRA slots.
 
-    Rows of `weight_ext` are the base weight followed by every stored slot's A: `lora_a_stack[i]` is slot
-    i + 1's (c·max_rank, in), and `lora_b[i]` its B transposed (max_rank, out), scaling folded in. The last stored slot
-    is a spare that stays zero: tokens of the base model index it. Ranks below max_rank are zero-padded.
-    Everything constant is a buffer created here: nothing is rebuilt per batch.
+    `lora_a_stack[i]` is slot i + 1's A, (c·max_rank, in), and `lora_b[i]` its B transposed (max_rank, out), scaling
+    folded in. The last stored slot is a spare that stays zero: tokens of the base model index it. Ranks below
+    max_rank are zero-padded. Everything constant is a buffer created here: nothing is rebuilt per batch.
     """
 
     def __init__(
@@ -87,15 +86,15 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.slot_rows = len(output_sizes) * max_rank  # rows of A per slot
         n_stored = max_loras + 1  # + the zero slot of base-model tokens
-        self.register_buffer(
-            "weight_ext",
-            torch.zeros(out_features + n_stored * self.slot_rows, in_features, dtype=dtype, device=device),
-            persistent=False,
-        )
-        # The checkpoint's weight is a view of the first rows: loading writes straight into weight_ext.
-        self.weight = nn.Parameter(self.weight_ext[:out_features], requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+        # Its own storage, not rows appended to the weight: the compiled layer is a nested region, and a region's
+        # inputs may not alias one another.
+        self.register_buffer(
+            "lora_a_stack", torch.zeros(n_stored, self.slot_rows, in_features, dtype=dtype, device=device),
+            persistent=False,
         )
         offsets = [0]
         for size in output_sizes:
@@ -113,11 +112,6 @@ class LoRALinear(nn.Module):
         # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading;
         # while a lone adapter runs merged (lora_merge), weight_packed is that adapter's merged pack.
         self.register_buffer("weight_packed", None, persistent=False)
-
-    @property
-    def lora_a_stack(self) -> torch.Tensor:
-        """Every stored slot's A, (max_loras + 1, c·max_rank, in): a view into weight_ext."""
-        return self.weight_ext[self.out_features :].view(-1, self.slot_rows, self.in_features)
 
     @torch.no_grad()
     def prepack(self) -> None:
@@ -137,7 +131,7 @@ class LoRALinear(nn.Module):
         return merged
 
     def lora_a(self, slot: int) -> torch.Tensor:
-        """Slot `slot`'s stacked A rows, (c·max_rank, in): a view into weight_ext."""
+        """Slot `slot`'s stacked A rows, (c·max_rank, in): a view into lora_a_stack."""
         if not 1 <= slot <= self.max_loras:  # slot 0 (index -1) would be the base model's zero slot
             raise ValueError(f"LoRA slot must be in [1, {self.max_loras}], got {slot}")
         return self.lora_a_stack[slot - 1]

@@ -150,7 +150,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """The unit of (regional) compilation: one graph serves every layer."""
+    """The unit of compilation: one compiled region serves every layer (compile_policy)."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
         super().__init__()
@@ -160,8 +160,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, max_loras, max_rank, dtype, device)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return _decoder_layer(self, x, *fb.flat())
+
+    def body(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), fb)
         return h + self.mlp(self.post_attention_layernorm(h), fb)
+
+
+# The compiled region: plain arguments (tensors, None), which the compiler matches quickly between calls.
+@compile_policy.repeated_region
+def _decoder_layer(layer: DecoderLayer, x: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
+    return layer.body(x, ForwardBatch.from_flat(batch))
 
 
 class CausalLM(nn.Module):
@@ -179,12 +188,19 @@ class CausalLM(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
         )
         self.register_buffer("lm_head_packed", None, persistent=False)  # see prepack_weights
+        self._run_layers = self.run_layers  # compile_policy.compile_model swaps in the compiled stack
+
+    def run_layers(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            fb = compile_policy.unaliased(fb)
+        for layer in self.layers:
+            h = layer(h, fb)
+        return h
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         compile_policy.mark_token_dim(h)
-        for layer in self.layers:
-            h = layer(h, fb)
+        h = self._run_layers(h, fb)
         # Only the rows that are sampled go through the (large) vocabulary projection.
         return linear(self.norm(h[logits_idx]), self.lm_head, self.lm_head_packed).float()
 

@@ -59,12 +59,11 @@ def test_recompile_would_be_caught(compiled_engines):
     assert engine.try_admit(seq)
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
-            layer = engine.model.layers[0]
             single, chunks = engine._plan([seq])
             _, fb, *_ = engine._build_batch(single, chunks)
             bad = torch.zeros(4, engine.model_config.hidden_size, dtype=torch.float64)
             with pytest.raises(Exception, match="(?i)recompil"):
-                layer(bad, fb)
+                engine.model._run_layers(bad, fb)  # the compiled layer stack
     finally:
         engine.release(seq)
 

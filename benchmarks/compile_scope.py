@@ -1,0 +1,59 @@
+"""Why the layer stack is one compiled frame: the engine as it compiles (the stack, with the decoder layer as a
+nested compile region) against the scheme it replaced (each decoder layer its own compiled frame), side by side.
+
+    python -m benchmarks.compile_scope [--batches 8 32] [--rounds 5]
+
+Both engines live in this one process and are measured in turn (A B A B ...). Rank-16 adapters on all seven
+projections of the SmolLM2-135M-shaped random checkpoint; decode step time in ms for the base model, one adapter
+and 8 distinct adapters, and their ratio (stack / per layer: below 1 means the stack is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import decode_step_time, fmt_row, interleaved, smollm2_checkpoint, write_lora_adapter
+from lora_compile import Engine, EngineConfig, compile_policy
+
+N_ADAPTERS = 8
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    model = smollm2_checkpoint()
+    names = [f"a{i}" for i in range(N_ADAPTERS)]
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [write_lora_adapter(model, Path(tmp) / n, rank=16, seed=i) for i, n in enumerate(names)]
+        limits = dict(model=str(model), max_batch_size=max(args.batches), max_seq_len=256,
+                      max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=16)
+        stack = Engine(EngineConfig(**limits))
+        per_layer = Engine(EngineConfig(**limits))
+        compile_policy.compile_each_layer(per_layer.model)
+        for engine in (stack, per_layer):
+            for name, d in zip(names, dirs):
+                engine.adapters.register(name, str(d))
+            engine.warmup()
+        mixes = {"base": [None], "one adapter": names[:1], f"{N_ADAPTERS} adapters": names}
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode step ms, stack vs per layer")
+        widths = (6, 14, 10, 12, 8)
+        print(fmt_row(("batch", "mix", "stack", "per layer", "ratio"), widths))
+        for b in args.batches:
+            measures = {}
+            for mix, adapters in mixes.items():
+                for kind, engine in (("stack", stack), ("per layer", per_layer)):
+                    measures[(mix, kind)] = lambda e=engine, a=adapters: decode_step_time(e, b, a, args.steps)[0]
+            t = interleaved(measures, args.rounds)
+            for mix in mixes:
+                s, l = t[(mix, "stack")], t[(mix, "per layer")]
+                print(fmt_row((b, mix, f"{s * 1e3:.2f}", f"{l * 1e3:.2f}", f"{s / l:.3f}"), widths), flush=True)
+
+
+if __name__ == "__main__":
+    main()
