@@ -193,8 +193,10 @@ class CausalLM(nn.Module):
     def run_layers(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if torch.compiler.is_compiling():
             fb = compile_policy.unaliased(fb)
+        batch = fb.flat()
         for layer in self.layers:
-            h = layer(h, fb)
+            # The region directly, not layer(h, fb): the compiler then traces no module-call machinery per layer.
+            h = _decoder_layer(layer, h, *batch)
         return h
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
