@@ -51,4 +51,3 @@ class ForwardBatch:
 
 
 _ATTN_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
-
