@@ -76,6 +76,16 @@ def write_lora_adapter(base: Path, out: Path, *, rank: int, seed: int, modules=A
     return out
 
 
+def write_lora_adapters(base: Path, root: Path, names: list[str], rank: int = 16) -> dict[str, Path]:
+    """One adapter per name under root (write_lora_adapter, seeded by its position), by name."""
+    return {name: write_lora_adapter(base, root / name, rank=rank, seed=i) for i, name in enumerate(names)}
+
+
+def register_adapters(engine: Engine, adapters: dict[str, Path]) -> None:
+    for name, path in adapters.items():
+        engine.adapters.register(name, str(path))
+
+
 def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], steps: int = 16,
                      prompt_len: int = 64) -> tuple[float, float]:
     """Mean seconds per decode step at `batch` sequences (after prefill), and mean batch-init seconds."""

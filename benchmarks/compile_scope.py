@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import decode_step_time, fmt_row, interleaved, smollm2_checkpoint, write_lora_adapter
+from benchmarks.common import (decode_step_time, fmt_row, interleaved, register_adapters, smollm2_checkpoint,
+                               write_lora_adapters)
 from lora_compile import Engine, EngineConfig, compile_policy
 
 N_ADAPTERS = 8
@@ -30,15 +31,14 @@ def main() -> None:
     model = smollm2_checkpoint()
     names = [f"a{i}" for i in range(N_ADAPTERS)]
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = [write_lora_adapter(model, Path(tmp) / n, rank=16, seed=i) for i, n in enumerate(names)]
+        adapters = write_lora_adapters(model, Path(tmp), names)
         limits = dict(model=str(model), max_batch_size=max(args.batches), max_seq_len=256,
                       max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=16)
         stack = Engine(EngineConfig(**limits))
         per_layer = Engine(EngineConfig(**limits))
         compile_policy.compile_each_layer(per_layer.model)
         for engine in (stack, per_layer):
-            for name, d in zip(names, dirs):
-                engine.adapters.register(name, str(d))
+            register_adapters(engine, adapters)
             engine.warmup()
         mixes = {"base": [None], "one adapter": names[:1], f"{N_ADAPTERS} adapters": names}
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode step ms, stack vs per layer")

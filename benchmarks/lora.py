@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import decode_step_time, fmt_row, interleaved, smollm2_checkpoint, write_lora_adapter
+from benchmarks.common import (decode_step_time, fmt_row, interleaved, register_adapters, smollm2_checkpoint,
+                               write_lora_adapters)
 from lora_compile import Engine, EngineConfig
 
 N_ADAPTERS = 8
@@ -56,21 +57,20 @@ def main() -> None:
     args = p.parse_args()
     model = smollm2_checkpoint()
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = [write_lora_adapter(model, Path(tmp) / f"a{i}", rank=RANK, seed=i) for i in range(N_ADAPTERS)]
+        names = [f"a{i}" for i in range(N_ADAPTERS)]
+        adapters = write_lora_adapters(model, Path(tmp), names, rank=RANK)
         limits = dict(model=str(model), max_batch_size=max(args.batches), max_seq_len=256,
                       max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=RANK)
         engine = Engine(EngineConfig(**limits))
         merging = Engine(EngineConfig(**limits, merge_lone_adapter=True))
-        names = [f"a{i}" for i in range(N_ADAPTERS)]
         for e in (engine, merging):
-            for i, d in enumerate(dirs):
-                e.adapters.register(f"a{i}", str(d))
+            register_adapters(e, adapters)
             e.warmup()
         widths = (6, 9, 12, 11, 11, 11, 9, 12, 10, 11, 15)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; rank {RANK}, all 7 modules, decode tok/s")
         print(fmt_row(("batch", "base", "one adapter", "one merged", f"{N_ADAPTERS} adapters", "peft mixed",
                        "one/base", "merged/base", "8/base", "ours/peft", "batch init"), widths))
-        peft = None if args.no_peft else load_peft(model, dirs)
+        peft = None if args.no_peft else load_peft(model, list(adapters.values()))
         for b in args.batches:
             init: list[float] = []
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import decode_step_time, smollm2_checkpoint, write_lora_adapter
+from benchmarks.common import decode_step_time, register_adapters, smollm2_checkpoint, write_lora_adapters
 from service.client import AsyncLoraServeClient
 
 
@@ -172,8 +172,8 @@ def main() -> None:
 
     model = smollm2_checkpoint()
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = [write_lora_adapter(model, Path(tmp) / n, rank=16, seed=i) for i, n in enumerate(names)]
-        proc, target = start_server(model, dirs, args)
+        adapters = write_lora_adapters(model, Path(tmp), names)
+        proc, target = start_server(model, list(adapters.values()), args)
         try:
             print(f"lora-serve at {target}: batch {args.max_batch_size}, {args.adapters} adapters "
                   f"({'zipf ' + str(args.zipf) if args.zipf else 'uniform'}), rate {args.rate or 'inf'} req/s")
@@ -186,8 +186,7 @@ def main() -> None:
         engine = Engine(EngineConfig(model=str(model), max_batch_size=args.max_batch_size, max_seq_len=512,
                                      max_loras_per_batch=max(1, min(args.adapters, args.max_loras_per_batch)),
                                      max_num_batched_tokens=args.max_num_batched_tokens))
-        for n, d in zip(names, dirs):
-            engine.adapters.register(n, str(d))
+        register_adapters(engine, adapters)
         engine.warmup()
         mix = names[: engine.config.max_loras_per_batch] or [None]
         step = statistics.median(decode_step_time(engine, args.max_batch_size, mix, 12)[0] for _ in range(3))

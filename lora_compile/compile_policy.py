@@ -60,16 +60,22 @@ def compile_model(model) -> None:
 def compile_each_layer(model) -> None:
     """The scheme this replaced, kept for comparison (python -m benchmarks.compile_scope): each layer its own
     compiled frame, called from Python once per layer."""
-    model._run_layers = model.run_layers
+    model._run_layers = lambda h, fb: _each_layer(model.layers, h, fb)
     for layer in model.layers:
-        layer.forward = layer.body  # no nested region: a frame per layer takes the metadata views as they are
         layer.compile(fullgraph=True)
 
 
-def unaliased(fb: ForwardBatch) -> ForwardBatch:
-    """The step's metadata as separate tensors. They are views of one buffer (one copy per step), and the inputs
-    of a nested region may not alias each other; inside the compiled frame this is one small copy kernel."""
-    return ForwardBatch.from_flat(tuple(None if t is None else t.clone() for t in fb.flat()))
+def _each_layer(layers, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    for layer in layers:  # layer(...): its own compiled frame, which takes the metadata views as they are
+        h = layer(h, fb)
+    return h
+
+
+def unaliased(batch: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The step's metadata (ForwardBatch.flat()) as separate tensors. They are views of one buffer (one copy per
+    step), and the inputs of a nested region may not alias each other; inside the compiled frame this is one small
+    copy kernel."""
+    return tuple(None if t is None else t.clone() for t in batch)
 
 
 def mark_token_dim(hidden: torch.Tensor) -> None:

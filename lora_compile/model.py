@@ -160,17 +160,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, max_loras, max_rank, dtype, device)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return _decoder_layer(self, x, *fb.flat())
-
-    def body(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), fb)
         return h + self.mlp(self.post_attention_layernorm(h), fb)
 
 
-# The compiled region: plain arguments (tensors, None), which the compiler matches quickly between calls.
+# The compiled region: plain arguments (tensors, None), which the compiler matches quickly between calls; forward
+# directly, not layer(x, fb), so that no module-call machinery is traced per layer.
 @compile_policy.repeated_region
 def _decoder_layer(layer: DecoderLayer, x: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
-    return layer.body(x, ForwardBatch.from_flat(batch))
+    return layer.forward(x, ForwardBatch.from_flat(batch))
 
 
 class CausalLM(nn.Module):
@@ -191,11 +189,10 @@ class CausalLM(nn.Module):
         self._run_layers = self.run_layers  # compile_policy.compile_model swaps in the compiled stack
 
     def run_layers(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            fb = compile_policy.unaliased(fb)
         batch = fb.flat()
+        if torch.compiler.is_compiling():
+            batch = compile_policy.unaliased(batch)
         for layer in self.layers:
-            # The region directly, not layer(h, fb): the compiler then traces no module-call machinery per layer.
             h = _decoder_layer(layer, h, *batch)
         return h
 
