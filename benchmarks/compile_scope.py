@@ -33,7 +33,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_lora_adapters(model, Path(tmp), names)
         limits = dict(model=str(model), max_batch_size=max(args.batches), max_seq_len=256,
-                      max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=16)
+                      max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=16,
+                      merge_lone_adapter="off")  # compares compile schemes on per-token LoRA
         stack = Engine(EngineConfig(**limits))
         per_layer = Engine(EngineConfig(**limits))
         compile_policy.compile_each_layer(per_layer.model)

@@ -1,6 +1,6 @@
-"""Multi-LoRA decode throughput: base vs one adapter (per-token LoRA, and merged into the weights with
---merge-lone-adapter) vs 8 distinct adapters vs peft's mixed-adapter generate, and batch-init time as a share of
-the step.
+"""Multi-LoRA decode throughput: base vs one adapter (the default engine, which merges a lone adapter into the
+weights on CPU float32, and per-token LoRA with merging off) vs 8 distinct adapters vs peft's mixed-adapter
+generate, and batch-init time as a share of the step.
 
     python -m benchmarks.lora [--batches 8 32] [--steps 16]
 
@@ -61,15 +61,15 @@ def main() -> None:
         adapters = write_lora_adapters(model, Path(tmp), names, rank=RANK)
         limits = dict(model=str(model), max_batch_size=max(args.batches), max_seq_len=256,
                       max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=RANK)
-        engine = Engine(EngineConfig(**limits))
-        merging = Engine(EngineConfig(**limits, merge_lone_adapter=True))
-        for e in (engine, merging):
+        engine = Engine(EngineConfig(**limits))  # the defaults: merges a lone adapter where it can
+        unmerged = Engine(EngineConfig(**limits, merge_lone_adapter="off"))
+        for e in (engine, unmerged):
             register_adapters(e, adapters)
             e.warmup()
-        widths = (6, 9, 12, 11, 11, 11, 9, 12, 10, 11, 15)
+        widths = (6, 9, 12, 13, 11, 11, 9, 14, 9, 10, 15)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; rank {RANK}, all 7 modules, decode tok/s")
-        print(fmt_row(("batch", "base", "one adapter", "one merged", f"{N_ADAPTERS} adapters", "peft mixed",
-                       "one/base", "merged/base", "8/base", "ours/peft", "batch init"), widths))
+        print(fmt_row(("batch", "base", "one adapter", "one unmerged", f"{N_ADAPTERS} adapters", "peft mixed",
+                       "one/base", "unmerged/base", "8/base", "ours/peft", "batch init"), widths))
         peft = None if args.no_peft else load_peft(model, list(adapters.values()))
         for b in args.batches:
             init: list[float] = []
@@ -79,28 +79,28 @@ def main() -> None:
                 init.append(batch_init / step)
                 return step
 
-            # The merging engine merges a0 once, in this untimed run; later runs find it merged from their first
-            # decode step (merging costs ~one step, once per adapter; see docs/benchmarks.md).
-            decode_step_time(merging, b, names[:1], args.steps)
+            # The default engine merges a0 once, in this untimed run (a layer per step, after merge_after_steps);
+            # later runs find it merged from their first decode step.
+            decode_step_time(engine, b, names[:1], engine.config.merge_after_steps + len(engine.model.layers) + 2)
             measures = {
                 "base": lambda: decode_step_time(engine, b, [None], args.steps)[0],
                 "one": lambda: decode_step_time(engine, b, names[:1], args.steps)[0],
-                "merged": lambda: decode_step_time(merging, b, names[:1], args.steps)[0],
-                # the merging engine's own base steps: merged/base compares steps of one engine instance
-                "merging base": lambda: decode_step_time(merging, b, [None], args.steps)[0],
+                "unmerged": lambda: decode_step_time(unmerged, b, names[:1], args.steps)[0],
+                # the unmerged engine's own base steps: unmerged/base compares steps of one engine instance
+                "unmerged base": lambda: decode_step_time(unmerged, b, [None], args.steps)[0],
                 "mixed": mixed,
             }
             if peft is not None:
                 measures["peft"] = lambda: peft_step_time(peft, N_ADAPTERS, b, args.steps)
             t = interleaved(measures, args.rounds)
-            t_base, t_one, t_merged, t_mix = t["base"], t["one"], t["merged"], t["mixed"]
-            t_merging_base = t["merging base"]
+            t_base, t_one, t_unmerged, t_mix = t["base"], t["one"], t["unmerged"], t["mixed"]
             t_peft = t.get("peft", float("nan"))
             t_init = sorted(init)[len(init) // 2] * t_mix
-            print(fmt_row((b, f"{b / t_base:.1f}", f"{b / t_one:.1f}", f"{b / t_merged:.1f}", f"{b / t_mix:.1f}",
-                           f"{b / t_peft:.1f}", f"{t_base / t_one:.2f}x", f"{t_merging_base / t_merged:.2f}x",
+            print(fmt_row((b, f"{b / t_base:.1f}", f"{b / t_one:.1f}", f"{b / t_unmerged:.1f}", f"{b / t_mix:.1f}",
+                           f"{b / t_peft:.1f}", f"{t_base / t_one:.2f}x", f"{t['unmerged base'] / t_unmerged:.2f}x",
                            f"{t_base / t_mix:.2f}x", f"{t_peft / t_mix:.2f}x", f"{100 * t_init / t_mix:.2f}% of step"),
                           widths), flush=True)
+            assert engine._merger is None or engine._merger.merges == 1, "the lone adapter should stay merged"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 from .errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+MERGE_MODES = ("auto", "on", "off")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -166,8 +167,9 @@ class EngineConfig:
     # copy of the weights). Ignored where packed_gemm is not available.
     prepack_weights: bool = True
     # With packed weights: once `merge_after_steps` consecutive steps use one adapter alone, run them on that adapter
-    # merged into a second packed copy of the projection weights (lora_merge; costs that copy's memory).
-    merge_lone_adapter: bool = False
+    # merged into another packed copy of the projection weights (lora_merge). "auto": where that copy fits in half
+    # the memory available after loading; "on" / "off" force it.
+    merge_lone_adapter: str = "auto"
     merge_after_steps: int = 4
     inductor_cache_dir: str | None = None
     adapter_roots: tuple[str, ...] = ()  # empty: any directory may be registered (local/offline use)
@@ -178,6 +180,8 @@ class EngineConfig:
                      "merge_after_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.merge_lone_adapter not in MERGE_MODES:
+            raise ValueError(f"merge_lone_adapter must be one of {', '.join(MERGE_MODES)}, got {self.merge_lone_adapter!r}")
         if self.max_num_batched_tokens <= self.max_batch_size:
             # every step must leave room for at least one prefill token besides the decodes
             raise ValueError("max_num_batched_tokens must be larger than max_batch_size")

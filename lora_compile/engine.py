@@ -17,7 +17,7 @@ from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from .layers import rope_tables
 from .lora_manager import LoRAManager
-from .lora_merge import LoneAdapterMerger
+from .lora_merge import build_merger
 from .model import CausalLM
 from .sampling import SamplingParams, sample
 from .sequence import Sequence
@@ -80,10 +80,8 @@ class Engine:
             self.model, mc, config.max_loras_per_batch, config.max_lora_rank, config.max_cpu_loras,
             tuple(config.adapter_roots),
         )
-        self._merger = (
-            LoneAdapterMerger(self.model, self.adapters.slot_generation, config.merge_after_steps)
-            if config.merge_lone_adapter and self.weights_packed else None
-        )
+        self._merger = build_merger(self.model, config.merge_lone_adapter, self.weights_packed,
+                                    self.adapters.slot_generation, config.merge_after_steps)
         max_tokens = config.max_num_batched_tokens + 1
         self._arange = torch.arange(max(config.max_seq_len, max_tokens), device=self.device)
         # One metadata buffer per step; on CUDA filled from a pinned host copy with one non-blocking copy.

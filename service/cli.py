@@ -22,6 +22,7 @@ def _adapter_arg(value: str) -> tuple[str, str]:
 
 def serve_parser() -> argparse.ArgumentParser:
     from lora_compile import EngineConfig
+    from lora_compile.config import MERGE_MODES
 
     from .server import ServerConfig
 
@@ -57,9 +58,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
                         "memory; slower decode)")
-    p.add_argument("--merge-lone-adapter", action="store_true",
-                   help="CPU float32, packed weights: when every running request uses the same adapter, merge it into "
-                        "a second packed copy of the weights and skip LoRA work (costs that copy's memory)")
+    p.add_argument("--merge-lone-adapter", nargs="?", const="on", default=engine_defaults["merge_lone_adapter"],
+                   choices=MERGE_MODES,
+                   help="CPU float32, packed weights: when every running request uses the same adapter, run it merged "
+                        "into another packed copy of the projection weights, with no LoRA work; auto: where that copy "
+                        "fits in half the available memory (default: %(default)s; the bare flag means on)")
     p.add_argument("--merge-after-steps", type=int, default=engine_defaults["merge_after_steps"],
                    help="steps on one adapter alone before it is merged (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=server_defaults.max_queue,

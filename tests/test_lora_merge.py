@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_compile import packed_gemm
+from lora_compile import EngineConfig, lora_merge, packed_gemm
 
 from tests.checkpoints import reference_greedy
 from tests.conftest import build_engine
@@ -44,18 +44,24 @@ def run_lone(engine, model_dir, adapter_name, adapter_dir, outputs):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_lone_adapter_runs_merged_matches_peft_and_unmerges_for_mixed_batches(models, adapters, compiled):
     model_dir, dirs = models["llama"], adapters["llama"]
-    engine = build_engine(model_dir, dirs, compile=compiled, merge_lone_adapter=True, merge_after_steps=3)
+    engine = build_engine(model_dir, dirs, compile=compiled, merge_lone_adapter="on", merge_after_steps=3)
     outputs = recording_steps(engine)
 
     merged = run_lone(engine, model_dir, "all4", dirs["all4"], outputs)
-    # The first steps use per-token LoRA; from the third on the adapter runs merged, in every step whose GEMMs all
-    # run on packed weights (2-5 rows run on the unpacked ones: per-token LoRA there).
+    # The first steps use per-token LoRA. From the third on, each step whose GEMMs all run on packed weights (2-5
+    # rows run on the unpacked ones: per-token LoRA there) merges one more layer's projections; once every layer
+    # is merged, such steps run merged.
     packed = [packed_gemm.packed_rows(out.num_tokens + 1) is not None for out in outputs]
     assert sum(packed[2:]) > 10 and not all(packed), f"the run should cover both kinds of step: {packed}"
-    assert merged == [i >= 2 and p for i, p in enumerate(packed)], merged
+    n_layers, progress, expected, merging = len(engine.model.layers), 0, [], []
+    for i, p in enumerate(packed):
+        merging.append(p and i >= 2 and progress < n_layers)
+        progress += merging[-1]
+        expected.append(p and progress == n_layers)
+    assert n_layers > 1 and sum(merging) == n_layers
+    assert merged == expected, merged
+    assert [out.merge_s > 0 for out in outputs] == merging
     assert engine._merger.merges == 1
-    first = merged.index(True)
-    assert outputs[first].merge_s > 0 and all(out.merge_s == 0 for i, out in enumerate(outputs) if i != first)
 
     # A batch mixing adapters and the base model is back on the base weights, per-token LoRA.
     outputs.clear()
@@ -77,10 +83,44 @@ def test_lone_adapter_runs_merged_matches_peft_and_unmerges_for_mixed_batches(mo
     assert engine._merger.merges == 2
 
 
-def test_merging_is_off_by_default_and_needs_packed_weights(models, adapters):
+def test_merging_is_on_by_default_where_the_copy_fits_and_needs_packed_weights(models, adapters):
     model_dir, dirs = models["llama"], adapters["llama"]
-    assert build_engine(model_dir, dirs, compile=False)._merger is None
-    assert build_engine(model_dir, dirs, compile=False, prepack_weights=False, merge_lone_adapter=True)._merger is None
+    # auto (the default): a tiny model's merged copy fits in any machine that runs these tests
+    assert build_engine(model_dir, dirs, compile=False)._merger is not None
+    assert build_engine(model_dir, dirs, compile=False, merge_lone_adapter="off")._merger is None
+    assert build_engine(model_dir, dirs, compile=False, prepack_weights=False, merge_lone_adapter="on")._merger is None
     # Reference for the lone-adapter runs above: the adapter changes the output, so a merge that dropped it would fail.
     assert reference_greedy(model_dir, PROMPTS[0], NEW_TOKENS, dirs["all4"])[0] != \
         reference_greedy(model_dir, PROMPTS[0], NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize("mode, packed, copy_gb, available_gb, expected", [
+    ("auto", True, 1.0, 8.0, True),
+    ("auto", True, 5.0, 8.0, False),    # more than half of what is available
+    ("auto", True, 1.0, None, False),   # unknown: do not risk it
+    ("auto", False, 1.0, 8.0, False),   # nothing to merge into without packed weights
+    ("on", True, 5.0, 8.0, True),
+    ("on", False, 1.0, 8.0, False),
+    ("off", True, 1.0, 8.0, False),
+])
+def test_merge_policy(mode, packed, copy_gb, available_gb, expected):
+    available = None if available_gb is None else int(available_gb * 1e9)
+    assert lora_merge.should_merge(mode, packed, int(copy_gb * 1e9), available) is expected
+
+
+def test_available_memory_is_read_on_linux():
+    available = lora_merge.available_memory_bytes()
+    assert available is not None and 0 < available < 1 << 50
+
+
+def test_merge_mode_is_validated(models):
+    with pytest.raises(ValueError, match="merge_lone_adapter must be one of auto, on, off"):
+        EngineConfig(model=str(models["llama"]), merge_lone_adapter="yes")
+
+
+def test_merge_flag_of_the_serve_command():
+    from service.cli import serve_parser
+    parse = serve_parser().parse_args
+    assert parse([]).merge_lone_adapter == "auto"
+    assert parse(["--merge-lone-adapter"]).merge_lone_adapter == "on"  # the bare flag, as before
+    assert parse(["--merge-lone-adapter", "off", "--port", "0"]).merge_lone_adapter == "off"
