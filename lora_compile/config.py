@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Literal, get_args
 from pathlib import Path
 
 import torch
@@ -10,7 +11,8 @@ import torch
 from .errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-MERGE_MODES = ("auto", "on", "off")
+MergeMode = Literal["auto", "on", "off"]
+MERGE_MODES: tuple[str, ...] = get_args(MergeMode)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -168,9 +170,10 @@ class EngineConfig:
     prepack_weights: bool = True
     # With packed weights: once `merge_after_steps` consecutive steps use one adapter alone, run them on that adapter
     # merged into another packed copy of the projection weights (lora_merge). "auto": where that copy fits in half
-    # the memory available after loading; "on" / "off" force it.
-    merge_lone_adapter: str = "auto"
-    merge_after_steps: int = 4
+    # the memory available after loading; "on" / "off" force it. A merge costs several steps' time (spread over
+    # steps), so a batch must stay on one adapter for a while before it pays for one.
+    merge_lone_adapter: MergeMode = "auto"
+    merge_after_steps: int = 16
     inductor_cache_dir: str | None = None
     adapter_roots: tuple[str, ...] = ()  # empty: any directory may be registered (local/offline use)
     seed: int = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_compile import EngineConfig, lora_merge, packed_gemm
+from lora_compile import EngineConfig, host_memory, lora_merge, packed_gemm
 
 from tests.checkpoints import reference_greedy
 from tests.conftest import build_engine
@@ -109,7 +109,7 @@ def test_merge_policy(mode, packed, copy_gb, available_gb, expected):
 
 
 def test_available_memory_is_read_on_linux():
-    available = lora_merge.available_memory_bytes()
+    available = host_memory.available_memory_bytes()
     assert available is not None and 0 < available < 1 << 50
 
 
@@ -124,3 +124,48 @@ def test_merge_flag_of_the_serve_command():
     assert parse([]).merge_lone_adapter == "auto"
     assert parse(["--merge-lone-adapter"]).merge_lone_adapter == "on"  # the bare flag, as before
     assert parse(["--merge-lone-adapter", "off", "--port", "0"]).merge_lone_adapter == "off"
+
+
+PACKED, UNPACKED = 9, 3  # rows of a step whose GEMMs run on packed weights, and of one whose GEMMs do not
+
+
+def test_merger_state_across_adapters_mixed_steps_and_reloads(models, adapters):
+    """The merger alone, driven step by step: which packs the layers hold after each choice."""
+    model_dir, dirs = models["llama"], adapters["llama"]
+    engine = build_engine(model_dir, dirs, compile=False, merge_lone_adapter="on", merge_after_steps=2)
+    merger, generation = engine._merger, engine.adapters.slot_generation
+    modules, layers = merger._modules, len(engine.model.layers)
+    base = [m.weight_packed for m in modules]
+
+    def step(slot, rows=PACKED):
+        merged, spent = merger.select(slot, rows)
+        held = [m.weight_packed for m in modules]
+        # The layers hold the base packs or one complete merged copy, never a mix; at most one merged copy exists.
+        on_base = all(h is b for h, b in zip(held, base))
+        on_merged = len(merger._merged) == len(modules) and all(h is m for h, m in zip(held, merger._merged))
+        assert on_base != merged and (on_base or on_merged)
+        assert len(merger._merged) <= len(modules)
+        return merged, spent > 0
+
+    assert step(1) == (False, False)                     # streak 1 < 2: nothing yet
+    assert step(1, UNPACKED) == (False, False)           # streak 2, but this step's GEMMs are not on the packs
+    assert [step(1)[1] for _ in range(layers - 1)] == [True] * (layers - 1)  # a layer per step, not done yet
+    assert len(merger._merged) == (layers - 1) * len(modules) // layers
+    assert step(None) == (False, False)                  # a mixed step keeps the progress...
+    assert step(1) == (False, False) and step(1) == (True, True)  # ...and the streak restarts: 2 steps, then the last layer
+    assert step(1) == (True, False) and merger.merges == 1
+
+    # Another adapter alone: the layers go back to base, the first copy is dropped when the second merge starts.
+    assert step(2) == (False, False) and merger._merged_key == (1, generation[1])
+    assert step(2) == (False, True) and merger._merged_key is None and merger._pending_key == (2, generation[2])
+
+    # Its slot reloaded mid-merge: the partial merge is dropped, and the streak starts over for the new contents.
+    generation[2] += 1
+    assert step(2) == (False, False) and merger._pending_key is None and merger._merged == []
+    for _ in range(layers):
+        step(2)
+    assert step(2) == (True, False) and merger.merges == 2
+
+    # Reloaded once merged: dropped at the next step, whatever it runs.
+    generation[2] += 1
+    assert step(None) == (False, False) and merger._merged_key is None and merger._merged == []
