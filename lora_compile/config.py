@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal, get_args
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
