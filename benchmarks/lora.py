@@ -79,9 +79,10 @@ def main() -> None:
                 init.append(batch_init / step)
                 return step
 
-            # The default engine merges a0 once, in this untimed run (a layer per step, after merge_after_steps);
-            # later runs find it merged from their first decode step.
-            decode_step_time(engine, b, names[:1], engine.config.merge_after_steps + len(engine.model.layers) + 2)
+            # The default engine merges a0 once, in this untimed run; later runs find it merged from their first
+            # decode step.
+            if engine._merger is not None:
+                decode_step_time(engine, b, names[:1], engine._merger.steps_to_merge)
             measures = {
                 "base": lambda: decode_step_time(engine, b, [None], args.steps)[0],
                 "one": lambda: decode_step_time(engine, b, names[:1], args.steps)[0],

@@ -38,7 +38,7 @@ def main() -> None:
                                      merge_lone_adapter="on"))
         register_adapters(engine, adapters)
         engine.warmup()
-        merge_steps = engine.config.merge_after_steps + len(engine.model.layers) + 2  # enough to complete a merge
+        merge_steps = engine._merger.steps_to_merge
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {args.batch}, rank 16, all 7 modules")
 
         # Merge cost: each adapter alone in turn, a whole merge each; the step time of the base model for scale.

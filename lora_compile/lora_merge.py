@@ -82,6 +82,11 @@ class LoneAdapterMerger:
         self._streak: tuple[tuple[int, int] | None, int] = (None, 0)  # (adapter, consecutive steps on it alone)
         self.merges = 0  # completed merges
 
+    @property
+    def steps_to_merge(self) -> int:
+        """Steps on one adapter alone (on packed weights) until it runs merged: the streak, then a layer per step."""
+        return self.after_steps - 1 + math.ceil(len(self._modules) / self._per_step)
+
     def select(self, lone_slot: int | None, rows: int) -> tuple[bool, float]:
         """Choose the weights of a step: merged (True) when every token uses `lone_slot` and its merge is complete,
         else the base weights; a step on a lone adapter whose merge is due also merges its next layer.

@@ -169,3 +169,6 @@ def test_merger_state_across_adapters_mixed_steps_and_reloads(models, adapters):
     # Reloaded once merged: dropped at the next step, whatever it runs.
     generation[2] += 1
     assert step(None) == (False, False) and merger._merged_key is None and merger._merged == []
+
+    # From a fresh start, an adapter alone on packed steps runs merged exactly at its steps_to_merge-th step.
+    assert [step(1)[0] for _ in range(merger.steps_to_merge)] == [False] * (merger.steps_to_merge - 1) + [True]

@@ -164,12 +164,12 @@ def test_generate_span_tree(stack: Stack):
         assert sa["lora_serve.step.num_adapters"] >= 1 and sa["lora_serve.step.kind"] in ("prefill", "decode", "mixed")
         phases = children(spans, step)
         init, forward, sample = phases["lora.batch_init"], phases["model.forward"], phases["sample"]
-        # A lone adapter may be being merged into the weights (lora_merge, on by default): that share sits between
-        # batch init and the forward.
-        merge_end = phases["lora.merge"].end_ns if "lora.merge" in phases else init.end_ns
-        if "lora.merge" in phases:
-            assert phases["lora.merge"].start_ns == init.end_ns
-        assert step.start_ns == init.start_ns <= init.end_ns <= merge_end == forward.start_ns <= forward.end_ns
+        before_forward = init
+        if "lora.merge" in phases:  # a lone adapter being merged (lora_merge): its share sits between the two
+            before_forward = phases["lora.merge"]
+            assert init.end_ns == before_forward.start_ns <= before_forward.end_ns
+        assert step.start_ns == init.start_ns <= init.end_ns
+        assert before_forward.end_ns == forward.start_ns <= forward.end_ns
         assert forward.end_ns == sample.start_ns and sample.end_ns == step.end_ns
         assert step.parent_id == ""  # each step is a trace of its own
 
