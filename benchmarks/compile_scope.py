@@ -1,11 +1,13 @@
 """Why the layer stack is one compiled frame: the engine as it compiles (the stack, with the decoder layer as a
-nested compile region) against the scheme it replaced (each decoder layer its own compiled frame), side by side.
+nested compile region, saved and loaded ahead of time) against the same stack left to torch.compile at start
+(`precompile=False`: Dynamo's guards run every step) and the scheme it replaced (each decoder layer its own
+compiled frame), side by side.
 
     python -m benchmarks.compile_scope [--batches 8 32] [--rounds 5]
 
 Both engines live in this one process and are measured in turn (A B A B ...). Rank-16 adapters on all seven
 projections of the SmolLM2-135M-shaped random checkpoint; decode step time in ms for the base model, one adapter
-and 8 distinct adapters, and their ratio (stack / per layer: below 1 means the stack is faster).
+and 8 distinct adapters, and ratios (stack / traced, stack / per layer: below 1 means the saved stack is faster).
 """
 from __future__ import annotations
 
@@ -36,24 +38,27 @@ def main() -> None:
                       max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=16,
                       merge_lone_adapter="off")  # compares compile schemes on per-token LoRA
         stack = Engine(EngineConfig(**limits))
+        traced = Engine(EngineConfig(**limits, precompile=False))
         per_layer = Engine(EngineConfig(**limits))
         compile_policy.compile_each_layer(per_layer.model)
-        for engine in (stack, per_layer):
+        engines = {"stack": stack, "traced": traced, "per layer": per_layer}
+        for engine in engines.values():
             register_adapters(engine, adapters)
             engine.warmup()
         mixes = {"base": [None], "one adapter": names[:1], f"{N_ADAPTERS} adapters": names}
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode step ms, stack vs per layer")
-        widths = (6, 14, 10, 12, 8)
-        print(fmt_row(("batch", "mix", "stack", "per layer", "ratio"), widths))
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode step ms")
+        widths = (6, 14, 10, 10, 12, 14, 16)
+        print(fmt_row(("batch", "mix", "stack", "traced", "per layer", "stack/traced", "stack/per layer"), widths))
         for b in args.batches:
             measures = {}
             for mix, adapters in mixes.items():
-                for kind, engine in (("stack", stack), ("per layer", per_layer)):
+                for kind, engine in engines.items():
                     measures[(mix, kind)] = lambda e=engine, a=adapters: decode_step_time(e, b, a, args.steps)[0]
             t = interleaved(measures, args.rounds)
             for mix in mixes:
-                s, l = t[(mix, "stack")], t[(mix, "per layer")]
-                print(fmt_row((b, mix, f"{s * 1e3:.2f}", f"{l * 1e3:.2f}", f"{s / l:.3f}"), widths), flush=True)
+                s, tr, l = t[(mix, "stack")], t[(mix, "traced")], t[(mix, "per layer")]
+                print(fmt_row((b, mix, f"{s * 1e3:.2f}", f"{tr * 1e3:.2f}", f"{l * 1e3:.2f}", f"{s / tr:.3f}",
+                               f"{s / l:.3f}"), widths), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,17 +21,17 @@ from lora_compile import Engine, EngineConfig
 LIMITS = dict(max_batch_size=32, max_seq_len=256, max_num_batched_tokens=512, max_loras_per_batch=8, max_lora_rank=16)
 
 
-def start_only(model: str, cache_dir: str) -> None:
-    engine = Engine(EngineConfig(model=model, inductor_cache_dir=cache_dir, **LIMITS))
+def start_only(model: str, cache_dir: str, precompile: bool) -> None:
+    engine = Engine(EngineConfig(model=model, inductor_cache_dir=cache_dir, precompile=precompile, **LIMITS))
     engine.warmup()
     print("READY", flush=True)
 
 
-def time_start(model: str, cache_dir: str) -> float:
+def time_start(model: str, cache_dir: str, precompile: bool = True) -> float:
     """Seconds from process launch to a warmed-up engine (imports, load, compile or cache hit)."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "benchmarks.engine", "--start-only", "--model", model, "--cache", cache_dir],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "benchmarks.engine", "--start-only", "--model", model, "--cache", cache_dir,
+                    *([] if precompile else ["--no-precompile"])], check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
 
@@ -58,16 +58,19 @@ def main() -> None:
     p.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
+    p.add_argument("--no-precompile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.start_only:
-        return start_only(args.model, args.cache)
+        return start_only(args.model, args.cache, not args.no_precompile)
 
     model = str(smollm2_checkpoint())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, checkpoint {model}")
     with tempfile.TemporaryDirectory() as cache:
         cold = time_start(model, cache)
         warm = time_start(model, cache)
-    print(f"start to ready (load + warm-up), fresh process: cold cache {cold:.1f}s, warm cache {warm:.1f}s")
+        traced = time_start(model, cache, precompile=False)  # the same cache; Dynamo traces the stack again
+    print(f"start to ready (load + warm-up), fresh process: cold cache {cold:.1f}s, warm cache {warm:.1f}s "
+          f"(the stack traced at start, --no-precompile: {traced:.1f}s)")
 
     compiled = Engine(EngineConfig(model=model, **LIMITS))
     compiled.warmup()

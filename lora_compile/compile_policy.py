@@ -7,7 +7,8 @@
   cannot add graphs after warm-up. Deliberate variants: no adapter in the step (no LoRA work at all), and
   adapters (any mix: per-token slot indices, one graph).
 - After warm-up, steps run under `fail_on_recompile`: a surprise recompile is an error, not a slowdown.
-- The Inductor cache directory persists across restarts, so a warm start skips code generation.
+- The Inductor cache directory persists across restarts, so a warm start skips code generation; the traced and
+  compiled stack itself is saved there too (precompile), so a warm start skips Dynamo's tracing as well.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import precompile
 from .forward_batch import ForwardBatch
 
 
@@ -52,9 +54,15 @@ def _layer_variant(layer, x, *batch) -> int:
 repeated_region = torch.compiler.nested_compile_region(reuse_hash_fn=_layer_variant)
 
 
-def compile_model(model) -> None:
-    """Compile the model's layer stack (CausalLM.run_layers) as one frame."""
-    model._run_layers = torch.compile(model.run_layers, fullgraph=True)
+def compile_model(model, precompiled: bool = True) -> None:
+    """Compile the model's layer stack (model.layer_stack) as one frame: saved and loaded with its traced frame
+    when `precompiled` (precompile.PrecompiledStack), else traced by torch.compile at every start."""
+    from .model import layer_stack
+    if precompiled:
+        model._run_layers = precompile.PrecompiledStack(model, layer_stack, precompile.default_directory())
+    else:
+        compiled = torch.compile(layer_stack, fullgraph=True)
+        model._run_layers = lambda h, fb: compiled(model, h, *fb.flat())
 
 
 def compile_each_layer(model) -> None:

@@ -96,7 +96,7 @@ class Engine:
         self._compiled = config.compile
         self._warmed_up = False
         if self._compiled:
-            compile_policy.compile_model(self.model)
+            compile_policy.compile_model(self.model, config.precompile)
 
     @property
     def weights_packed(self) -> bool:

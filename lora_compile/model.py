@@ -171,6 +171,16 @@ def _decoder_layer(layer: DecoderLayer, x: torch.Tensor, *batch: torch.Tensor | 
     return layer.forward(x, ForwardBatch.from_flat(batch))
 
 
+def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
+    """Every decoder layer over h. The compiled unit (compile_policy): the model is an argument, so what is
+    compiled and saved serves any instance of the same shapes (precompile)."""
+    if torch.compiler.is_compiling():
+        batch = compile_policy.unaliased(batch)
+    for layer in model.layers:
+        h = _decoder_layer(layer, h, *batch)
+    return h
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
         super().__init__()
@@ -189,12 +199,7 @@ class CausalLM(nn.Module):
         self._run_layers = self.run_layers  # compile_policy.compile_model swaps in the compiled stack
 
     def run_layers(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        batch = fb.flat()
-        if torch.compiler.is_compiling():
-            batch = compile_policy.unaliased(batch)
-        for layer in self.layers:
-            h = _decoder_layer(layer, h, *batch)
-        return h
+        return layer_stack(self, h, *fb.flat())
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

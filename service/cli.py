@@ -55,6 +55,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=engine_defaults["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=engine_defaults["device"], help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (no torch.compile): fast start, slower steps")
+    p.add_argument("--no-precompile", action="store_true",
+                   help="do not save or load the compiled layer stack: torch.compile traces it at every start "
+                        "(~8 s more per start here)")
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
                         "memory; slower decode)")
@@ -177,7 +180,8 @@ def serve_main(argv: list[str] | None = None) -> int:
             model=model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
             max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
-            prepack_weights=not args.no_prepack_weights, adapter_roots=roots, max_cpu_loras=args.max_cpu_loras,
+            precompile=not args.no_precompile, prepack_weights=not args.no_prepack_weights, adapter_roots=roots,
+            max_cpu_loras=args.max_cpu_loras,
             merge_lone_adapter=args.merge_lone_adapter, merge_after_steps=args.merge_after_steps,
         )
         server_config = _server_config(args)

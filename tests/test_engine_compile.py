@@ -1,5 +1,5 @@
 """Compilation: after warm-up no workload recompiles (steps run under fail_on_recompile), chunked prefill
-lets decoding sequences keep going, and the Inductor cache directory is used."""
+lets decoding sequences keep going, and the Inductor cache directory is used, the saved layer stack with it."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from lora_compile import SamplingParams, Sequence
-from tests.conftest import ADAPTER_SPECS, INDUCTOR_CACHE
+from lora_compile import Engine, EngineConfig, SamplingParams, Sequence
+from lora_compile.precompile import PrecompiledStack
+from tests.conftest import ADAPTER_SPECS, ENGINE_LIMITS, INDUCTOR_CACHE, build_engine
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +53,10 @@ def test_random_workload_never_recompiles(compiled_engines):
     assert engine.adapters.num_free_slots == engine.config.max_loras_per_batch
 
 
-def test_recompile_would_be_caught(compiled_engines):
-    """The guard is real: a shape never seen in warm-up (a wrong hidden size) fails instead of recompiling."""
+@pytest.mark.parametrize("bad", ["dtype", "tokens"])
+def test_recompile_would_be_caught(compiled_engines, bad):
+    """The guard is real: inputs the compiled stack was not traced for (hidden states of another dtype, or one row
+    more than the step's metadata describes) fail instead of recompiling."""
     engine = compiled_engines("llama")
     seq = Sequence(1, [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert engine.try_admit(seq)
@@ -61,11 +64,61 @@ def test_recompile_would_be_caught(compiled_engines):
         with torch.compiler.set_stance("fail_on_recompile"):
             single, chunks = engine._plan([seq])
             _, fb, *_ = engine._build_batch(single, chunks)
-            bad = torch.zeros(4, engine.model_config.hidden_size, dtype=torch.float64)
+            rows, hidden = fb.cos.shape[0], engine.model_config.hidden_size
+            h = (torch.zeros(rows, hidden, dtype=torch.float64) if bad == "dtype"
+                 else torch.zeros(rows + 1, hidden, dtype=engine.dtype))
             with pytest.raises(Exception, match="(?i)recompil"):
-                engine.model._run_layers(bad, fb)  # the compiled layer stack
+                engine.model._run_layers(h, fb)  # the compiled layer stack
     finally:
         engine.release(seq)
+
+
+def test_a_second_start_loads_the_saved_stack(compiled_engines, models, adapters):
+    """A second engine with the same model and limits loads both graph variants from the cache directory (no
+    tracing) and generates the same tokens as the first, and as one whose stack torch.compile traces at start."""
+    first = compiled_engines("llama")
+    second = build_engine(models["llama"], adapters["llama"], compile=True)
+    assert second.model._run_layers.sources == {"base": "loaded", "lora": "loaded"}
+    traced = build_engine(models["llama"], adapters["llama"], compile=True, precompile=False)
+    assert not isinstance(traced.model._run_layers, PrecompiledStack)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4], [11], [3, 1, 4, 1, 5]]
+    names = [None, "qv8", "all4", "mlp16rs"]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    expected = first.generate(prompts, sp, adapters=names)
+    assert len({tuple(t) for t in expected}) == len(prompts)  # the prompts and adapters lead to different tokens
+    assert second.generate(prompts, sp, adapters=names) == expected
+    assert traced.generate(prompts, sp, adapters=names) == expected
+
+
+def test_an_unreadable_saved_stack_is_compiled_again(models, tmp_path):
+    """A saved stack that does not load (an interrupted write, another build) is compiled and saved anew."""
+    def engine_on(directory):
+        engine = Engine(EngineConfig(model=str(models["llama"]), inductor_cache_dir=INDUCTOR_CACHE, **ENGINE_LIMITS))
+        engine.model._run_layers.directory = directory
+        return engine
+
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    first = engine_on(tmp_path)
+    first.model._run_layers.path("base").write_bytes(b"half a file")
+    tokens = first.generate([[5, 6, 7]], sp)  # base-model steps only: one variant
+    assert first.model._run_layers.sources == {"base": "compiled"}
+    again = engine_on(tmp_path)
+    assert again.generate([[5, 6, 7]], sp) == tokens
+    assert again.model._run_layers.sources == {"base": "loaded"}
+
+
+def test_a_stack_that_cannot_be_saved_still_serves(models, tmp_path, caplog):
+    """An unwritable cache directory costs the next start its compile, not this one its service."""
+    (tmp_path / "a-file").write_text("")
+    engine = Engine(EngineConfig(model=str(models["llama"]), inductor_cache_dir=INDUCTOR_CACHE, **ENGINE_LIMITS))
+    engine.model._run_layers.directory = tmp_path / "a-file" / "stacks"
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="lora_compile.precompile"):
+        tokens = engine.generate([[5, 6, 7]], sp)  # the base variant only
+    assert engine.model._run_layers.sources == {"base": "compiled"}
+    assert "could not save the compiled layer stack" in caplog.text
+    reference = Engine(EngineConfig(model=str(models["llama"]), compile=False, **ENGINE_LIMITS))
+    assert tokens == reference.generate([[5, 6, 7]], sp)
 
 
 def test_long_prompt_is_chunked_while_others_decode(compiled_engines):
@@ -100,7 +153,6 @@ def test_inductor_cache_directory_is_used(compiled_engines):
 @pytest.mark.parametrize("max_loras", [1, 2])
 def test_small_slot_counts_warm_up_and_never_recompile(models, adapters, max_loras):
     """With 1 or 2 slots every slot count m is its own static graph; all are compiled in warm-up."""
-    from tests.conftest import build_engine
     names = list(adapters["llama"])[:max_loras]
     engine = build_engine(models["llama"], {n: adapters["llama"][n] for n in names}, compile=True,
                           max_loras_per_batch=max_loras)

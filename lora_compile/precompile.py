@@ -1,0 +1,125 @@
+"""The compiled layer stack saved to disk with its traced frame, so that a warm start runs no Dynamo at all.
+
+With torch.compile alone every start traces the stack again (Dynamo: ~8 s of a ~14 s warm start on 2 cores),
+even when the Inductor cache holds all the generated code. torch's ahead-of-time capture (`aot_compile`) saves
+the traced frame, its guards and its compiled code in one file; loading one takes 0.1-1.6 s
+(python -m benchmarks.engine, warm start).
+
+- One file per graph variant (no adapter in the step / adapters), under a key of everything that shapes the
+  graph: torch and Python, this package's source, the model config, and the name, shape, dtype and layout of
+  every model tensor. Any change there compiles and saves anew.
+- The model is an argument of the saved function, not part of it: the file serves any instance with that key.
+- Guards kept: the relations between the step's sizes (shape-env guards), checked on every call, plus the hidden
+  states' dtype and width, checked here. Left out: guards on the model, which the key covers and which cannot be
+  saved (oneDNN-packed weights, module attributes); the other tensor guards, which hold for every step the engine
+  builds and do not survive a reload. A step that fails a check raises, as a recompile after warm-up does.
+- The files are pickles, like the rest of the Inductor cache they live in: that directory must be trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("base", "lora")  # a step without adapters / with adapters (weight_indices None or not)
+
+
+class RecompileError(RuntimeError):
+    """A step whose shapes the compiled layer stack was not traced for."""
+
+
+def artifact_key(model: torch.nn.Module) -> str:
+    """Hash of what the traced stack depends on (see the module docstring)."""
+    h = hashlib.sha256()
+    h.update(f"{torch.__version__} {sys.version_info[:3]} {model.config!r}".encode())
+    package = Path(__file__).resolve().parent
+    for source in sorted(package.glob("*.py")):
+        h.update(source.name.encode() + source.read_bytes())
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        h.update(f"{name} {tuple(t.shape)} {t.dtype} {t.device.type} {t.layout};".encode())
+    return h.hexdigest()[:20]
+
+
+def _portable_guards(entries) -> list[bool]:
+    """Which guards a saved stack keeps (module docstring)."""
+    return [e.guard_type == "SHAPE_ENV" for e in entries]
+
+
+class PrecompiledStack:
+    """The model's layer stack, `layer_stack(model, h, *batch)`, loaded from or compiled into `directory`.
+
+    Each variant is loaded or compiled on its first call (the engine's warm-up); later calls run the saved
+    function, behind its guards only."""
+
+    def __init__(self, model: torch.nn.Module, layer_stack: Callable, directory: Path):
+        self.model, self._layer_stack = model, layer_stack
+        self.directory = directory
+        self.key = artifact_key(model)
+        self._dtype, self._width = model.embed_tokens.weight.dtype, model.embed_tokens.weight.shape[1:]
+        self._fns: dict[str, Callable] = {}
+        self.sources: dict[str, str] = {}  # variant -> "loaded" or "compiled", for logs and tests
+
+    def path(self, variant: str) -> Path:
+        return self.directory / f"{self.key}-{variant}.bin"
+
+    def __call__(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if h.dtype != self._dtype or h.shape[1:] != self._width:
+            raise RecompileError(f"the compiled layer stack takes hidden states of {self._dtype} and width "
+                                 f"{tuple(self._width)}; this step has {h.dtype} and {tuple(h.shape[1:])} "
+                                 "(would recompile)")
+        batch = fb.flat()
+        variant = VARIANTS[batch[-1] is not None]
+        fn = self._fns.get(variant) or self._load_or_compile(variant, h, batch)
+        try:
+            return fn(self.model, h, *batch)
+        except RuntimeError as e:
+            if str(e).startswith("GuardManager check failed"):
+                raise RecompileError(f"the compiled layer stack ({variant}) would recompile for this step: {e}") from e
+            raise
+
+    def _load_or_compile(self, variant: str, h: torch.Tensor, batch: tuple) -> Callable:
+        path = self.path(variant)
+        fn = self._load(path)
+        if fn is not None:
+            self.sources[variant] = "loaded"
+        else:
+            compiled = torch.compile(self._layer_stack, fullgraph=True, options={"guard_filter_fn": _portable_guards})
+            try:
+                fn = compiled.aot_compile(((self.model, h, *batch), {}))
+            except Exception as e:
+                raise RuntimeError(f"compiling the layer stack ahead of time failed ({type(e).__name__}: {e}); "
+                                   "precompile=False (--no-precompile) leaves it to torch.compile at every start") from e
+            self.sources[variant] = "compiled"
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fn.save_compiled_function(str(path))  # written to a temporary file, then renamed
+            except OSError as e:  # serve anyway; the next start compiles again
+                log.warning("could not save the compiled layer stack to %s (%s)", path, e)
+        log.info("layer stack (%s): %s %s", variant, self.sources[variant], path)
+        self._fns[variant] = fn
+        return fn
+
+    def _load(self, path: Path) -> Callable | None:
+        if not path.exists():
+            return None
+        try:
+            with open(path, "rb") as f:  # in the globals it was traced in, as at save time
+                return torch.compiler.load_compiled_function(f, f_globals=self._layer_stack.__globals__)
+        except Exception as e:  # a file from an interrupted write or another build: compile anew, overwrite it
+            log.warning("could not load the compiled layer stack %s (%s: %s); compiling it again",
+                        path, type(e).__name__, e)
+            return None
+
+
+def default_directory() -> Path:
+    """Inside the Inductor cache directory (compile_policy.configure sets it), kept and trusted alike."""
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "lora-serve-stacks"
