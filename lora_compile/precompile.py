@@ -2,12 +2,13 @@
 
 With torch.compile alone every start traces the stack again (Dynamo: ~8 s of a ~14 s warm start on 2 cores),
 even when the Inductor cache holds all the generated code. torch's ahead-of-time capture (`aot_compile`) saves
-the traced frame, its guards and its compiled code in one file; loading one takes 0.1-1.6 s
-(python -m benchmarks.engine, warm start).
+the traced frame, its guards and its compiled code in one file; loading both takes 2-5 s,
+most of it importing Inductor's runtime, which a traced start pays too (docs/benchmarks.md).
 
-- One file per graph variant (no adapter in the step / adapters), under a key of everything that shapes the
-  graph: torch and Python, this package's source, the model config, and the name, shape, dtype and layout of
-  every model tensor. Any change there compiles and saves anew.
+- One file per graph variant (no adapter in the step / adapters), under a key of what shapes the graph: torch
+  and Python, Inductor's settings, the thread count, this package's source, the model config, and the name,
+  shape, dtype, device and layout of every model tensor. Any change there compiles and saves anew. (The engine
+  limits reach the graph only through tensor shapes: KV cache, LoRA slots.)
 - The model is an argument of the saved function, not part of it: the file serves any instance with that key.
 - Guards kept: the relations between the step's sizes (shape-env guards), checked on every call, plus the hidden
   states' dtype and width, checked here. Left out: guards on the model, which the key covers and which cannot be
@@ -39,13 +40,22 @@ class RecompileError(RuntimeError):
 
 def artifact_key(model: torch.nn.Module) -> str:
     """Hash of what the traced stack depends on (see the module docstring)."""
+    from torch._inductor import config as inductor_config
+
     h = hashlib.sha256()
     h.update(f"{torch.__version__} {sys.version_info[:3]} {model.config!r}".encode())
+    # What Inductor's own cache keys on besides the graph: its settings, threads (OpenMP team sizes are written
+    # into the generated code), deterministic algorithms.
+    h.update(repr(sorted(inductor_config.save_config_portable().items())).encode())
+    h.update(f"{torch.get_num_threads()} {torch.are_deterministic_algorithms_enabled()}".encode())
     package = Path(__file__).resolve().parent
     for source in sorted(package.glob("*.py")):
         h.update(source.name.encode() + source.read_bytes())
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        h.update(f"{name} {tuple(t.shape)} {t.dtype} {t.device.type} {t.layout};".encode())
+        # the device with its index: generated GPU code names it
+        h.update(f"{name} {tuple(t.shape)} {t.dtype} {t.device} {t.layout};".encode())
+    if torch.cuda.is_available():
+        h.update(torch.cuda.get_device_name().encode())
     return h.hexdigest()[:20]
 
 
@@ -102,8 +112,9 @@ class PrecompiledStack:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 fn.save_compiled_function(str(path))  # written to a temporary file, then renamed
-            except OSError as e:  # serve anyway; the next start compiles again
-                log.warning("could not save the compiled layer stack to %s (%s)", path, e)
+                path.chmod(0o644)  # the temporary file was private; a service may run as another user
+            except Exception:  # serve anyway; the next start compiles again
+                log.warning("could not save the compiled layer stack to %s", path, exc_info=True)
         log.info("layer stack (%s): %s %s", variant, self.sources[variant], path)
         self._fns[variant] = fn
         return fn
@@ -114,9 +125,8 @@ class PrecompiledStack:
         try:
             with open(path, "rb") as f:  # in the globals it was traced in, as at save time
                 return torch.compiler.load_compiled_function(f, f_globals=self._layer_stack.__globals__)
-        except Exception as e:  # a file from an interrupted write or another build: compile anew, overwrite it
-            log.warning("could not load the compiled layer stack %s (%s: %s); compiling it again",
-                        path, type(e).__name__, e)
+        except Exception:  # a file from an interrupted write or another build: compile anew, overwrite it
+            log.warning("could not load the compiled layer stack %s; compiling it again", path, exc_info=True)
             return None
 
 

@@ -57,7 +57,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", action="store_true", help="run eagerly (no torch.compile): fast start, slower steps")
     p.add_argument("--no-precompile", action="store_true",
                    help="do not save or load the compiled layer stack: torch.compile traces it at every start "
-                        "(~8 s more per start here)")
+                        "(slower starts: about twice as long on 2 CPU cores)")
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
                         "memory; slower decode)")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_compile import Engine, EngineConfig, SamplingParams, Sequence
-from lora_compile.precompile import PrecompiledStack
+from lora_compile.precompile import PrecompiledStack, RecompileError, artifact_key
 from tests.conftest import ADAPTER_SPECS, ENGINE_LIMITS, INDUCTOR_CACHE, build_engine
 
 pytestmark = pytest.mark.slow
@@ -79,6 +79,15 @@ def test_a_second_start_loads_the_saved_stack(compiled_engines, models, adapters
     first = compiled_engines("llama")
     second = build_engine(models["llama"], adapters["llama"], compile=True)
     assert second.model._run_layers.sources == {"base": "loaded", "lora": "loaded"}
+    seq = Sequence(1, [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert second.try_admit(seq)
+    try:  # the loaded stack keeps its shape guards: a step with one row more than its metadata fails
+        _, fb, *_ = second._build_batch(*second._plan([seq]))
+        with pytest.raises(RecompileError, match="would recompile"):
+            h = torch.zeros(fb.cos.shape[0] + 1, second.model_config.hidden_size, dtype=second.dtype)
+            second.model._run_layers(h, fb)
+    finally:
+        second.release(seq)
     traced = build_engine(models["llama"], adapters["llama"], compile=True, precompile=False)
     assert not isinstance(traced.model._run_layers, PrecompiledStack)
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4], [11], [3, 1, 4, 1, 5]]
@@ -159,3 +168,17 @@ def test_small_slot_counts_warm_up_and_never_recompile(models, adapters, max_lor
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for mix in ([None], names[:1], names, [None, *names]):
         engine.generate([[5, 6, 7]] * len(mix), sp, adapters=mix)  # raises on a recompile
+
+
+def test_the_saved_stack_key_follows_what_shapes_the_graph(models):
+    """Equal settings share a saved stack; limits, packing and dtype that change the graph's tensors do not."""
+    def key(**changes):
+        config = EngineConfig(model=str(models["llama"]), compile=False, **(ENGINE_LIMITS | changes))
+        return artifact_key(Engine(config).model)
+
+    base = key()
+    assert key() == base
+    assert key(max_num_batched_tokens=48) == base  # a per-step budget: dynamic sizes, not the graph
+    changed = [key(max_seq_len=128), key(max_lora_rank=8), key(max_loras_per_batch=2), key(max_batch_size=4),
+               key(prepack_weights=False), key(dtype="bfloat16")]
+    assert len({base, *changed}) == len(changed) + 1
