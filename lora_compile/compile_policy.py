@@ -59,16 +59,26 @@ def compile_model(model, precompiled: bool = True) -> None:
     when `precompiled` (precompile.PrecompiledStack), else traced by torch.compile at every start."""
     from .model import layer_stack
     if precompiled:
-        model._run_layers = precompile.PrecompiledStack(model, layer_stack, precompile.default_directory())
+        model._run_layers = precompile.PrecompiledStack(model, layer_stack, mark_dynamic,
+                                                        precompile.default_directory())
     else:
         compiled = torch.compile(layer_stack, fullgraph=True)
-        model._run_layers = lambda h, fb: compiled(model, h, *fb.flat())
+
+        def traced(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+            mark_dynamic(h, fb)
+            return compiled(model, h, *fb.flat())
+
+        model._run_layers = traced
 
 
 def compile_each_layer(model) -> None:
     """The scheme this replaced, kept for comparison (python -m benchmarks.compile_scope): each layer its own
     compiled frame, called from Python once per layer."""
-    model._run_layers = lambda h, fb: _each_layer(model.layers, h, fb)
+    def each_layer(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        mark_dynamic(h, fb)
+        return _each_layer(model.layers, h, fb)
+
+    model._run_layers = each_layer
     for layer in model.layers:
         layer.compile(fullgraph=True)
 
@@ -86,16 +96,13 @@ def unaliased(batch: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | No
     return tuple(None if t is None else t.clone() for t in batch)
 
 
-def mark_token_dim(hidden: torch.Tensor) -> None:
-    """The layers' input is made per step (embedding output): its token dim varies."""
-    torch._dynamo.mark_dynamic(hidden, 0)
-
-
-def mark_dynamic(fb: ForwardBatch) -> None:
-    """Mark every step-varying dim dynamic (all are >= 2 by construction: a step has a dummy token)."""
+def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
+    """Mark every step-varying dim of the stack's inputs dynamic (all are >= 2 by construction: a step has a dummy
+    token). Needed where Dynamo traces, and where its guards check the marks (every call of a traced stack); a
+    saved stack checks sizes only, so its steps skip this (~1 ms a step on 2 cores)."""
     md = fb.attn
     tensors = [
-        (fb.cos, (0,)), (fb.sin, (0,)), (md.slot_mapping, (0,)), (md.decode_token_idx, (0,)),
+        (h, (0,)), (fb.cos, (0,)), (fb.sin, (0,)), (md.slot_mapping, (0,)), (md.decode_token_idx, (0,)),
         (md.decode_q_pos, (0,)), (md.decode_kv_slots, (0,)), (md.decode_key_pos, (0,)),
         (md.prefill_token_idx, (0, 1)), (md.prefill_q_pos, (0, 1)), (md.prefill_kv_slots, (0,)),
         (md.prefill_key_pos, (0,)), (md.out_idx, (0,)),

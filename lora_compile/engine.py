@@ -255,8 +255,6 @@ class Engine:
         single, chunks = self._plan(seqs)
         merged, merge_s = self._select_weights(single, chunks)
         input_ids, fb, logits_idx, sampled, n_adapters = self._build_batch(single, chunks, merged)
-        if self._compiled:
-            compile_policy.mark_dynamic(fb)
         t1 = time.perf_counter()
         with compile_policy.steady_state(self._compiled and self._warmed_up):
             logits = self.model(input_ids, fb, logits_idx)

@@ -203,7 +203,6 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        compile_policy.mark_token_dim(h)
         h = self._run_layers(h, fb)
         # Only the rows that are sampled go through the (large) vocabulary projection.
         return linear(self.norm(h[logits_idx]), self.lm_head, self.lm_head_packed).float()

@@ -70,8 +70,8 @@ class PrecompiledStack:
     Each variant is loaded or compiled on its first call (the engine's warm-up); later calls run the saved
     function, behind its guards only."""
 
-    def __init__(self, model: torch.nn.Module, layer_stack: Callable, directory: Path):
-        self.model, self._layer_stack = model, layer_stack
+    def __init__(self, model: torch.nn.Module, layer_stack: Callable, mark_dynamic: Callable, directory: Path):
+        self.model, self._layer_stack, self._mark_dynamic = model, layer_stack, mark_dynamic
         self.directory = directory
         self.key = artifact_key(model)
         self._dtype, self._width = model.embed_tokens.weight.dtype, model.embed_tokens.weight.shape[1:]
@@ -88,7 +88,7 @@ class PrecompiledStack:
                                  "(would recompile)")
         batch = fb.flat()
         variant = VARIANTS[batch[-1] is not None]
-        fn = self._fns.get(variant) or self._load_or_compile(variant, h, batch)
+        fn = self._fns.get(variant) or self._load_or_compile(variant, h, fb)
         try:
             return fn(self.model, h, *batch)
         except RuntimeError as e:
@@ -96,15 +96,16 @@ class PrecompiledStack:
                 raise RecompileError(f"the compiled layer stack ({variant}) would recompile for this step: {e}") from e
             raise
 
-    def _load_or_compile(self, variant: str, h: torch.Tensor, batch: tuple) -> Callable:
+    def _load_or_compile(self, variant: str, h: torch.Tensor, fb: ForwardBatch) -> Callable:
         path = self.path(variant)
         fn = self._load(path)
         if fn is not None:
             self.sources[variant] = "loaded"
         else:
             compiled = torch.compile(self._layer_stack, fullgraph=True, options={"guard_filter_fn": _portable_guards})
+            self._mark_dynamic(h, fb)  # for the trace only: the saved guards check sizes, not marks
             try:
-                fn = compiled.aot_compile(((self.model, h, *batch), {}))
+                fn = compiled.aot_compile(((self.model, h, *fb.flat()), {}))
             except Exception as e:
                 raise RuntimeError(f"compiling the layer stack ahead of time failed ({type(e).__name__}: {e}); "
                                    "precompile=False (--no-precompile) leaves it to torch.compile at every start") from e
