@@ -89,6 +89,44 @@ def _check_config(raw: dict, source: Path) -> None:
         raise AdapterError(f"{source}: target_parameters is not supported")
 
 
+@dataclass(frozen=True)
+class _ConfigNumbers:
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+
+def _config_numbers(raw: dict, source: str) -> _ConfigNumbers:
+    """Every number adapter_config.json sets, checked: Python's json reads NaN, Infinity and 1e309 (inf), and a
+    non-finite or zero scaling would turn the adapter's output, and its KV entries, into NaN."""
+    def rank(value, field: str) -> int:
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())  # NaN, inf: not
+        if isinstance(value, bool) or not whole or value < 1:
+            raise AdapterError(f"{source}: {field} must be a whole number >= 1, got {value!r}")
+        return int(value)
+
+    def alpha(value, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
+            raise AdapterError(f"{source}: {field} must be a finite, non-zero number, got {value!r}")
+        return float(value)
+
+    def pattern(field: str, check) -> dict:
+        value = raw.get(field) or {}
+        if not isinstance(value, dict):
+            raise AdapterError(f"{source}: {field} must be a JSON object, got {value!r}")
+        return {str(k): check(v, f"{field}[{k!r}]") for k, v in value.items()}
+
+    # PEFT's defaults (LoraConfig: r=8, lora_alpha=8) for a config that leaves them out.
+    r = rank(raw.get("r", 8), "r")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterError(f"{source}: use_rslora must be true or false, got {use_rslora!r}")
+    return _ConfigNumbers(r, alpha(raw.get("lora_alpha", 8), "lora_alpha"), use_rslora,
+                          pattern("rank_pattern", rank), pattern("alpha_pattern", alpha))
+
+
 def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
     # PEFT matches a pattern key against the end of the module's dotted path.
     for key, value in patterns.items():
@@ -120,12 +158,8 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
         raise AdapterError(f"adapter {name!r}: {config_path} must hold a JSON object")
     _check_config(raw, config_path)
     _targets_from_config(raw, config_path)
-    try:
-        rank, alpha = int(raw["r"]), float(raw.get("lora_alpha", raw["r"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise AdapterError(f"adapter {name!r}: {config_path} needs a numeric 'r' ({e})") from e
-    use_rslora = bool(raw.get("use_rslora", False))
-    alpha_pattern = raw.get("alpha_pattern") or {}
+    numbers = _config_numbers(raw, f"adapter {name!r}: {config_path}")
+    rank, alpha, use_rslora = numbers.r, numbers.lora_alpha, numbers.use_rslora
 
     in_out = {
         "q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
@@ -167,11 +201,18 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
             )
         if r > max_rank:
             raise AdapterError(f"{where}: rank {r} exceeds max_lora_rank {max_rank}")
+        module_path = f"model.layers.{layer}.{module}"
+        configured = _pattern_value(numbers.rank_pattern, module_path, rank)
+        if r != configured:
+            field = "rank_pattern" if configured != rank else "r"
+            raise AdapterError(f"{where}: the tensors have rank {r} but adapter_config.json {field} says {configured}")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{where}: weights contain NaN or infinity")
-        module_alpha = _pattern_value(alpha_pattern, f"model.layers.{layer}.{module}", alpha)
-        scaling = module_alpha / (math.sqrt(r) if use_rslora else r)
-        weights[layer][module] = (a.contiguous(), (b * scaling).contiguous())
+        module_alpha = _pattern_value(numbers.alpha_pattern, module_path, alpha)
+        scaled_b = b * (module_alpha / (math.sqrt(r) if use_rslora else r))
+        if not torch.isfinite(scaled_b).all():  # finite B and alpha can still overflow once scaled
+            raise AdapterError(f"{where}: lora_B scaled by lora_alpha {module_alpha:g} / rank overflows to infinity")
+        weights[layer][module] = (a.contiguous(), scaled_b.contiguous())
         max_seen = max(max_seen, r)
     if not pairs:
         raise AdapterError(f"adapter {name!r}: {weights_path} holds no LoRA weights")

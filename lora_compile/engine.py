@@ -19,7 +19,7 @@ from .layers import rope_tables
 from .lora_manager import LoRAManager
 from .lora_merge import build_merger
 from .model import CausalLM
-from .sampling import SamplingParams, sample
+from .sampling import NON_FINITE, SamplingParams, sample
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 
@@ -49,6 +49,12 @@ class _Planned:
     @property
     def samples(self) -> bool:
         return self.start + self.length == self.seq.num_tokens
+
+
+def _non_finite_message(seq: Sequence) -> str:
+    source = f"adapter {seq.adapter!r}" if seq.adapter else "the base model"
+    return (f"{source} produced non-finite logits (NaN or infinity) at position {seq.num_tokens}: its weights "
+            "overflow on this input; the sequence was ended (other requests are unaffected)")
 
 
 class Engine:
@@ -264,6 +270,9 @@ class Engine:
             p.seq.num_computed_tokens += p.length
         token_ids = result.token_ids if result else []
         for i, (seq, token) in enumerate(zip(sampled, token_ids)):
+            if token == NON_FINITE:  # this sequence alone ends; the rest of the batch is unaffected
+                seq.finish_reason, seq.error = "error", _non_finite_message(seq)
+                continue
             seq.output_ids.append(token)
             if result.logprobs is not None and (seq.sampling.logprobs or seq.sampling.top_logprobs):
                 seq.output_logprobs.append(result.logprobs[i])
@@ -272,8 +281,9 @@ class Engine:
             seq.finish_reason = self._finish_reason(seq, token)
         t3 = time.perf_counter()
         kind = "mixed" if chunks and single else ("prefill" if chunks else "decode")
+        ok = [i for i, t in enumerate(token_ids) if t != NON_FINITE]
         return StepOutput(
-            seq_ids=[s.seq_id for s in sampled], token_ids=token_ids,
+            seq_ids=[sampled[i].seq_id for i in ok], token_ids=[token_ids[i] for i in ok],
             logits=logits if return_logits else None,
             num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=n_adapters, kind=kind, merged=merged,
             start_ns=start_ns, batch_init_s=t1 - t0 - merge_s, merge_s=merge_s, forward_s=t2 - t1, sample_s=t3 - t2,

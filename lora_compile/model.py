@@ -45,7 +45,10 @@ def attend(
     qb = q[token_idx.reshape(-1)].view(batch, length, n_kv, group, head_dim)
     qb = qb.permute(0, 2, 1, 3, 4).reshape(batch, n_kv, length * group, head_dim)
     k = k_cache[kv_slots, :s].permute(0, 2, 3, 1)  # (B, Hkv, D, S)
-    v = v_cache[kv_slots, :s].permute(0, 2, 1, 3)  # (B, Hkv, S, D)
+    # Keys past a sequence's last query were written by an earlier occupant of its KV slot (or by padding): their
+    # probability is 0, but 0 x NaN is NaN, so stale values are replaced, never multiplied (isolation).
+    stale = key_pos[None, :] > q_pos.amax(dim=1)[:, None]  # (B, S)
+    v = v_cache[kv_slots, :s].masked_fill(stale[:, :, None, None], 0).permute(0, 2, 1, 3)  # (B, Hkv, S, D)
     scores = (torch.matmul(qb, k) * scale).float().view(batch, n_kv, length, group, s)
     visible = key_pos[None, None, :] <= q_pos[:, :, None]  # (B, L, S)
     if sliding_window is not None:
@@ -87,7 +90,8 @@ def attend_decode(
         visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
     scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=1).to(q.dtype)
-    out = (probs[..., None] * v_cache[kv_slots, :s][:, :, :, None, :]).sum(1)  # (B, Hkv, G, D)
+    v = v_cache[kv_slots, :s].masked_fill(~visible[:, :, None, None], 0)  # stale values replaced, as in attend()
+    out = (probs[..., None] * v[:, :, :, None, :]).sum(1)  # (B, Hkv, G, D)
     return out.reshape(batch, n_heads * head_dim)
 
 

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 
+NON_FINITE = -1  # the token sample() gives a row whose logits hold NaN or infinity
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -85,7 +88,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> SampleResult:
-    """logits: (B, vocab) float32, one row per sequence in `seqs`."""
+    """logits: (B, vocab) float32, one row per sequence in `seqs`. A row that is not finite gets token -1
+    (NON_FINITE): it is zeroed first, so that it cannot disturb the other rows' sampling."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    logits.masked_fill_(~finite[:, None], 0.0)
     apply_repetition_penalty(logits, seqs)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
@@ -105,7 +111,7 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> SampleResult:
         )
         tokens[rows] = (probs / noise).argmax(dim=-1)
     want_logprobs = any(s.sampling.logprobs or s.sampling.top_logprobs for s in seqs)
-    token_list = tokens.tolist()  # the step's one device-to-host read
+    token_list = torch.where(finite, tokens, NON_FINITE).tolist()  # the step's one device-to-host read
     if not want_logprobs:
         return SampleResult(token_list, None, None)
     logprobs = logits.log_softmax(dim=-1)

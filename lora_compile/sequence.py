@@ -17,7 +17,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None  # "length", "eos" or "stop"
+    finish_reason: str | None = None  # "length", "eos", "stop", or "error" (then `error` says why)
+    error: str | None = None
     # Owned by the engine while the sequence is admitted.
     kv_slot: int | None = None
     lora_slot: int = 0

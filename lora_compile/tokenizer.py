@@ -8,6 +8,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import CheckpointError
 
+_RELEASE_GIL_CHARS = 4096
+
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
@@ -22,8 +24,13 @@ class Tokenizer:
         self.eos_token_ids = frozenset(eos)
         self.bos_token_id = bos_token_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # No token covers more characters of the text than its own string has (byte-level pieces are one char
+        # per byte, SentencePiece ones one per char), so N tokens cover at most N * max_token_chars characters.
+        self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _RELEASE_GIL_CHARS:  # encode() holds the GIL throughout; encode_batch() releases it
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

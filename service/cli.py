@@ -99,12 +99,12 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
                    help="open Generate streams before RESOURCE_EXHAUSTED (default: max-batch-size + max-queue)")
     g.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest request message; larger ones get RESOURCE_EXHAUSTED (default: %(default)s)")
-    g.add_argument("--max-pending-outputs", type=int, default=d.max_pending_outputs,
-                   help="responses buffered for a client that reads slowly before its request pauses "
-                        "(default: %(default)s)")
+    g.add_argument("--max-streams-per-connection", type=int, default=d.max_streams_per_connection,
+                   help="concurrent streams one client connection may open; more wait on the client's side "
+                        "(HTTP/2 max concurrent streams; default: %(default)s)")
     g.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
-                   help="seconds a request may stay paused for a client that does not read before it is ended "
-                        "(default: %(default)s)")
+                   help="seconds a finished stream's output waits for a client that does not read before the "
+                        "stream is cancelled; generation itself never waits for a reader (default: %(default)s)")
 
 
 def _add_security_flags(p: argparse.ArgumentParser) -> None:
@@ -136,7 +136,7 @@ def _server_config(args: argparse.Namespace):
     limits = RequestLimits(
         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_limit,
         max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
-        max_pending_outputs=args.max_pending_outputs, stall_timeout_s=args.stall_timeout)
+        max_streams_per_connection=args.max_streams_per_connection, stall_timeout_s=args.stall_timeout)
     security = SecurityConfig(
         api_token=args.api_token or os.environ.get(API_TOKEN_ENV) or None,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,

@@ -112,13 +112,13 @@ class TooManyStreams(ServiceError):
 
 
 class StreamStalled(ServiceError):
-    """The client stopped reading: generation was paused, and the reader took nothing for too long."""
+    """The request finished, but its client left the output unread for --stall-timeout."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, seconds: float, pending: int):
-        super().__init__(f"the client did not read its stream for {seconds:g}s ({pending} responses "
-                         "waiting); the request was ended to free its slot")
+    def __init__(self, seconds: float):
+        super().__init__(f"the client did not read its finished stream for {seconds:g}s; the stream was ended "
+                         "(read the stream as it arrives)")
 
 
 class EngineFailure(ServiceError):

@@ -63,11 +63,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
     def _wrap_stream(self, behavior):
-        async def wrapper(request, context):
+        async def wrapper(request, context):  # stream handlers send with context.write()
             try:
                 self._admit(request)
-                async for response in behavior(request, context):
-                    yield response
+                await behavior(request, context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001

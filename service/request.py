@@ -34,3 +34,12 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def merge(self, later: RequestOutput) -> None:
+        """Append a later output (its reader had not taken this one yet): one response carries both."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.top_logprobs += later.top_logprobs
+        for name in ("finish_reason", "stop", "stop_token_id", "prompt_tokens", "completion_tokens"):
+            setattr(self, name, getattr(later, name))

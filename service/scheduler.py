@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,47 +42,83 @@ class SchedulerConfig:
     max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
     retry_after_s: float = 1.0  # RetryInfo sent with RESOURCE_EXHAUSTED
     max_streams: int | None = None  # open Generate streams (None: max_batch_size + max_queue)
-    # Backpressure: a request whose reader is this many responses behind is not stepped (it keeps its slots)
-    # until the reader catches up, so a client that stops reading costs memory for at most this many.
-    max_pending_outputs: int = 64
-    stall_timeout_s: float = 60.0  # ... and if it stays that far behind this long, it is ended
+    # A finished request's output waits this long for a client that is not reading; then its stream is cancelled.
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_streams is not None and self.max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
-        if self.max_pending_outputs < 1 or self.stall_timeout_s <= 0:
-            raise ValueError("max_pending_outputs must be >= 1 and stall_timeout_s > 0")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 
 
 @dataclass(eq=False)
 class RequestState:
-    """One request from add_request to its last output."""
+    """One request from add_request to its last output.
+
+    Slow readers never hold the batch: the request is stepped whatever its reader does, and what the reader has
+    not taken yet is merged into one pending output (vLLM's RequestOutputCollector), bounded by max_new_tokens.
+    Its KV slot is freed when it finishes; the finished output then waits `keep_finished_s` for the reader."""
 
     request: GenerationRequest
     seq: Sequence
     processor: OutputProcessor
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | ServiceError
+    keep_finished_s: float = 60.0
     aborted: bool = False   # the client went away (cancel, deadline, stream closed)
-    done: bool = False      # the last output (or an error) is on the queue
+    done: bool = False      # the last output (or an error) is pending
     closed: bool = False    # the handler is gone; no longer counted as an open stream
-    paused_since: float | None = None  # not stepped: the reader is max_pending_outputs behind (monotonic s)
-    on_read: Callable[[], None] | None = None  # wakes the scheduler when a paused request is read again
+    _write: asyncio.Future | None = None  # the handler's send in progress (see deliver)
+    expired: bool = False  # the finished output was left unread for keep_finished_s
     trace: RequestTrace | None = None  # only while tracing
+    _pending: RequestOutput | Exception | None = None
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, item: RequestOutput | Exception) -> None:
+        if isinstance(self._pending, RequestOutput) and isinstance(item, RequestOutput):
+            self._pending.merge(item)
+        else:  # (an error replaces unread text: the stream ends with the error's status)
+            self._pending = item
+        self._ready.set()
 
     async def next_output(self) -> RequestOutput:
-        item = await self.outputs.get()
-        if self.paused_since is not None and self.on_read is not None:
-            self.on_read()
+        await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
         if isinstance(item, BaseException):
             raise item
         return item
 
     def finish_with(self, item: RequestOutput | Exception) -> None:
-        if not self.done:
-            self.done = True
-            self.outputs.put_nowait(item)
+        if self.done:
+            return
+        self.done = True
+        self.push(item)
+        asyncio.get_running_loop().call_later(self.keep_finished_s, self._expire)
+
+    async def deliver(self, write: Awaitable[None]) -> None:
+        """Await the handler's send; once the request has finished, at most until keep_finished_s is up."""
+        if self.expired:
+            raise StreamStalled(self.keep_finished_s)
+        self._write = asyncio.ensure_future(write)
+        try:
+            await self._write
+        except asyncio.CancelledError:
+            if not self.expired or not self._write.cancelled():
+                raise
+            raise StreamStalled(self.keep_finished_s) from None
+        finally:
+            self._write = None
+
+    def _expire(self) -> None:
+        if self.closed:
+            return
+        log.warning("request %s: the client left its finished output unread for %.0fs; ending the stream",
+                    self.request.request_id, self.keep_finished_s)
+        self.expired = True
+        if self._write is not None:
+            self._write.cancel()
 
 
 @dataclass
@@ -163,10 +199,10 @@ class EngineRunner:
         self.check_capacity()
         seq = Sequence(seq_id=next(self._seq_ids), prompt_ids=list(request.prompt_ids),
                        sampling=request.sampling, adapter=request.adapter)
-        state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop), trace=trace)
+        state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop),
+                             keep_finished_s=self.config.stall_timeout_s, trace=trace)
         if trace is not None:
             trace.queued(request)
-        state.on_read = self._wake
         self._open_streams += 1
         self._waiting.append(state)
         self._idle.clear()
@@ -199,10 +235,6 @@ class EngineRunner:
     def num_open_streams(self) -> int:
         return self._open_streams
 
-    @property
-    def num_paused(self) -> int:
-        return sum(1 for s in self._running if s.paused_since is not None)
-
     # --- the loop -----------------------------------------------------------------------------------
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -222,37 +254,16 @@ class EngineRunner:
             candidates = list(itertools.islice(self._waiting, max(0, free)))
             try:
                 result = await engine_thread.run(
-                    self._engine_iteration, to_release, candidates, self._steppable())
+                    self._engine_iteration, to_release, candidates, list(self._running))
                 self._apply(result)
             except Exception:  # noqa: BLE001 - a scheduler bug must not leave every stream hanging
                 log.exception("scheduler iteration failed; failing all in-flight requests")
                 self._fail_all(EngineFailure("scheduler failure; see the server log"))
                 continue
             if not result.stepped and not to_release and not result.admitted and not result.rejected:
-                # Nothing to step (every running request is paused for its reader) and nothing admissible:
-                # sleep until a reader, a new request or an abort wakes us, or it is time to check stalls.
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), min(0.5, self.config.stall_timeout_s / 4))
-                except asyncio.TimeoutError:
-                    pass
-
-    def _steppable(self) -> list[RequestState]:
-        """The running requests to step now: not those whose reader is max_pending_outputs behind
-        (backpressure); one that stays paused longer than stall_timeout_s is ended (and released)."""
-        now, limit = time.monotonic(), self.config.max_pending_outputs
-        out = []
-        for state in self._running:
-            if state.outputs.qsize() < limit:
-                state.paused_since = None
-                out.append(state)
-            elif state.paused_since is None:
-                state.paused_since = now
-            elif now - state.paused_since > self.config.stall_timeout_s and not state.aborted:
-                log.warning("request %s: client not reading for %.0fs; ending it",
-                            state.request.request_id, now - state.paused_since)
-                state.finish_with(StreamStalled(self.config.stall_timeout_s, state.outputs.qsize()))
-                state.aborted = True  # swept and released next iteration
-        return out
+                # Nothing running and the head of the queue cannot be admitted (e.g. its adapter has no free
+                # slot): sleep until a new request, an abort or a release wakes us.
+                await self._wakeup.wait()
 
     def _fail_all(self, error: Exception) -> None:
         for state in [*self._waiting, *self._running]:
@@ -324,6 +335,11 @@ class EngineRunner:
         for state in result.stepped:
             if state.aborted:
                 continue  # swept (and released) next iteration
+            if state.seq.finish_reason == "error":  # e.g. non-finite logits: this request alone fails
+                state.finish_with(EngineFailure(state.seq.error))
+                self._running.remove(state)
+                self._to_release.append(state.seq)
+                continue
             try:
                 out = state.processor.process()
             except Exception as exc:  # noqa: BLE001 - a detokenizer bug fails one request, not the loop
@@ -338,7 +354,7 @@ class EngineRunner:
                 self._running.remove(state)
                 self._to_release.append(state.seq)
             elif not state.done:
-                state.outputs.put_nowait(out)
+                state.push(out)
 
     def _release(self, seq: Sequence) -> None:
         try:

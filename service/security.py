@@ -105,14 +105,10 @@ def _refusing(handler, code: grpc.StatusCode, message: str):
     async def refuse_unary(request, context):
         await context.abort(code, message)
 
-    async def refuse_stream(request, context):
-        await context.abort(code, message)
-        yield  # unreachable: makes this an async generator, as the stream handler it replaces
-
     if handler.unary_unary is not None:
         return handler._replace(unary_unary=refuse_unary)
-    if handler.unary_stream is not None:
-        return handler._replace(unary_stream=refuse_stream)
+    if handler.unary_stream is not None:  # (our stream handlers are coroutines that write, as this one)
+        return handler._replace(unary_stream=refuse_unary)
     return handler
 
 

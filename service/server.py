@@ -37,14 +37,13 @@ class ServerConfig:
     max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
     retry_after_s: float = 1.0  # RetryInfo.retry_delay with RESOURCE_EXHAUSTED
     grace_period_s: float = 30.0  # drain: how long in-flight streams may take to finish
-    limits: RequestLimits = RequestLimits()      # prompt / new tokens / streams / message size / backpressure
+    limits: RequestLimits = RequestLimits()      # prompt / new tokens / streams / message size / slow readers
     security: SecurityConfig = SecurityConfig()  # tokens, adapter management, TLS
 
     @property
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(max_queue=self.max_queue, retry_after_s=self.retry_after_s,
                                max_streams=self.limits.max_concurrent_streams,
-                               max_pending_outputs=self.limits.max_pending_outputs,
                                stall_timeout_s=self.limits.stall_timeout_s)
 
 
@@ -65,7 +64,8 @@ class LoraServer:
             interceptors=[*([TracingInterceptor(telemetry)] if telemetry is not None else []),
                           AuthInterceptor(config.security), ErrorInterceptor(lambda: self.state)],
             options=[("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
-                     ("grpc.max_receive_message_length", config.limits.max_message_bytes)],
+                     ("grpc.max_receive_message_length", config.limits.max_message_bytes),
+                     ("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)],
         )
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, self.runner, config.limits),
                                                  self._server)

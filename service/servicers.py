@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -11,6 +12,7 @@ from lora_compile import Engine
 
 from . import tracing
 from ._proto import pb, pb_grpc
+from .heap import LARGE_REQUEST_BYTES, HeapTrimmer
 from .errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from .limits import RequestLimits
 from .request import RequestOutput
@@ -24,7 +26,7 @@ _FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
     "eos": pb.FINISH_REASON_EOS, "cancelled": pb.FINISH_REASON_CANCELLED,
 }
-_TOKENIZE_IN_THREAD_CHARS = 16_384  # longer texts are tokenized off the event loop
+_TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop (the tokenizer thread)
 _MAX_PATH_CHARS = 4096
 
 
@@ -36,11 +38,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._limits = Limits(vocab_size=min(engine.model_config.vocab_size, tokenizer_vocab),
                               max_seq_len=engine.config.max_seq_len, max_prompt_tokens=limits.max_prompt_tokens,
                               max_new_tokens=limits.max_new_tokens)
+        # A text longer than this cannot fit in a prompt whatever it says: refused before it is tokenized.
+        self._max_prompt = min(engine.config.max_seq_len - 1, limits.max_prompt_tokens or engine.config.max_seq_len)
+        self._max_text_chars = self._max_prompt * engine.tokenizer.max_token_chars
+        # One thread: a burst of long texts queues there instead of taking every core from the engine thread.
+        self._tokenizer_pool: ThreadPoolExecutor | None = None
+        self._heap = HeapTrimmer()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         # Tracing on: the request span, under the interceptor's server span (it ends both with the status).
         trace = tracing.start_request(request, self._engine) if self._runner.telemetry is not None else None
         self._runner.check_capacity()  # RESOURCE_EXHAUSTED / UNAVAILABLE before any work
+        if len(request.text) + 4 * len(request.token_ids.ids) >= LARGE_REQUEST_BYTES:
+            self._heap.after_large_request()
         prompt_ids = None
         if request.WhichOneof("input") == "text":
             prompt_ids = await self._encode(request.text)
@@ -55,7 +65,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 out = await state.next_output()
                 if trace is not None and out.finished:
                     trace.finished(out)
-                yield _response(req.request_id, out)
+                # A write waits while the client does not read (HTTP/2 flow control); the state may end it.
+                await state.deliver(context.write(_response(req.request_id, out)))
                 if out.finished:
                     return
         finally:
@@ -63,6 +74,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        if len(request.text) >= LARGE_REQUEST_BYTES:
+            self._heap.after_large_request()
         ids = await self._encode(request.text, add_special)
         tok = self._engine.tokenizer
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
@@ -78,10 +91,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > self._max_text_chars:
+            raise InvalidArgument([FieldViolation("text", (
+                f"the text has {len(text)} characters; a prompt of at most {self._max_prompt} tokens holds at "
+                f"most {self._max_text_chars} characters with this model's tokenizer (--max-prompt-tokens)"))])
         encode = self._engine.tokenizer.encode
-        if len(text) > _TOKENIZE_IN_THREAD_CHARS:
-            return await asyncio.to_thread(encode, text, add_special_tokens)
-        return encode(text, add_special_tokens)
+        if len(text) <= _TOKENIZE_IN_THREAD_CHARS:
+            return encode(text, add_special_tokens)
+        if self._tokenizer_pool is None:
+            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode, text, add_special_tokens)
 
 
 class AdaptersServicer(pb_grpc.AdaptersServicer):

@@ -371,12 +371,11 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
     def _wrap_stream(self, behavior, service: str, name: str):
-        async def wrapper(request, context):
+        async def wrapper(request, context):  # our stream handlers send with context.write()
             call = self._start(service, name, context)
             try:
-                async for response in behavior(request, context):
-                    yield response
-            except BaseException as exc:  # also GeneratorExit: the stream was closed under us
+                await behavior(request, context)
+            except BaseException as exc:  # also CancelledError: the stream was closed under us
                 if call is not None:
                     call.end_with(exc, context)
                 raise

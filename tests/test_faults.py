@@ -23,9 +23,6 @@ from safetensors.torch import load_file, save_file
 from service._proto import pb, pb_grpc
 from service.client import (FailedPreconditionError, InternalError, InvalidArgumentError, LoraServeClient,
                             UnauthenticatedError)
-from service.limits import RequestLimits
-from service.server import ServerConfig
-from service.validation import Limits, validate_generate
 from tests.client_loop import ClientLoop
 from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, shared_engine, wait_for
 from tests.test_service_process import ServeProcess
@@ -152,97 +149,6 @@ def test_admission_failure_fails_only_that_request(served, monkeypatch):
     assert len(base.result()) == 40
     monkeypatch.undo()
     served.wait_idle()
-
-
-# --- a client that stops reading --------------------------------------------------------------------
-def test_reader_that_stops_reading_pauses_then_ends():
-    """Backpressure: a request is not stepped while its reader is max_pending_outputs responses behind
-    (memory per stream is bounded, the slot is kept); resumed when the reader reads; ended with
-    RESOURCE_EXHAUSTED (and its slots freed) if the reader stays away for stall_timeout_s."""
-    pending, stall = 4, 1.0
-    server = ServerThread(shared_engine(), ServerConfig(
-        port=0, limits=RequestLimits(max_pending_outputs=pending, stall_timeout_s=stall)))
-    engine, runner = server.engine, server.server.runner
-    limits = Limits(vocab_size=512, max_seq_len=256)
-    prompt = engine.tokenizer.encode("The river")
-    reference = server.reference(prompt, "poet", 40, ignore_eos=True)
-
-    def request():
-        msg = pb.GenerateRequest(adapter="poet", token_ids=pb.TokenIds(ids=prompt))
-        msg.stopping.max_new_tokens, msg.stopping.ignore_eos = 40, True
-        return validate_generate(msg, None, limits)
-
-    async def add():
-        return runner.add_request(request())
-
-    async def close(state):  # what the handler does when it returns; the responses it did not send
-        runner.abort(state)
-        return [state.outputs.get_nowait() for _ in range(state.outputs.qsize())]
-
-    try:
-        # A reader that reads nothing: generation stops at `pending` responses and stays there.
-        state = server.run(add())
-        wait_for(lambda: state.paused_since is not None, what="the request to pause")
-        time.sleep(0.3)
-        assert state.outputs.qsize() == pending and len(state.seq.output_ids) == pending
-        assert runner.num_paused == 1 and engine.num_free_kv_slots == engine.config.max_batch_size - 1
-        # Then a slow reader: it resumes, and gets every token, in order, once.
-        async def read_slowly(state):
-            tokens = []
-            while True:
-                out = await state.next_output()
-                tokens += out.token_ids
-                if out.finished:
-                    return tokens
-                await asyncio.sleep(0.01)
-        assert server.run(read_slowly(state)) == reference
-        assert server.run(close(state)) == []
-
-        # A reader that never comes back: ended after stall_timeout_s, slots freed.
-        state = server.run(add())
-        wait_for(lambda: state.done, timeout=stall + 5, what="the stalled request to end")
-        server.wait_idle()
-        items = server.run(close(state))
-        assert len(items) == pending + 1 and isinstance(items[-1], Exception)
-        assert items[-1].code == grpc.StatusCode.RESOURCE_EXHAUSTED and "did not read" in str(items[-1])
-        assert runner.num_open_streams == 0
-    finally:
-        server.stop()
-
-
-def test_backpressure_over_grpc_bounds_server_memory():
-    """End to end: a client whose HTTP/2 window is tiny and that stops reading stalls the server's sends;
-    the request pauses with at most max_pending_outputs responses queued; reading again finishes it."""
-    pending = 4
-    server = ServerThread(shared_engine(), ServerConfig(port=0, limits=RequestLimits(max_pending_outputs=pending)))
-    runner = server.server.runner
-    prompt = server.engine.tokenizer.encode("Once upon a time")
-    reference = server.reference(prompt, None, 200, ignore_eos=True)
-    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]  # a small receive window
-    try:
-        with ClientLoop() as client:
-            async def scenario():
-                async with grpc.aio.insecure_channel(server.target, options=options) as channel:
-                    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
-                    req.stopping.max_new_tokens, req.stopping.ignore_eos = 200, True
-                    req.response.top_logprobs = 20  # ~250 bytes per response: the window fills fast
-                    call = pb_grpc.GenerationStub(channel).Generate(req, timeout=60)
-                    tokens = list((await call.read()).token_ids)
-                    await asyncio.to_thread(wait_for, lambda: runner.num_paused == 1, 20, "the request to pause")
-                    (state,) = runner._running
-                    generated = len(state.seq.output_ids)
-                    await asyncio.sleep(0.5)
-                    stalled = (generated, len(state.seq.output_ids), state.outputs.qsize())
-                    while (msg := await call.read()) is not grpc.aio.EOF:
-                        tokens += msg.token_ids
-                    return stalled, tokens
-            (generated, later, queued), tokens = client.run(scenario())
-        assert generated == later < 200, "generation went on for a reader that does not read"
-        assert queued <= pending
-        assert tokens == reference
-        server.wait_idle()
-    finally:
-        server.stop()
 
 
 # --- SIGTERM under load, real process -----------------------------------------------------------------
