@@ -113,6 +113,10 @@ class LoRALinear(nn.Module):
         # while a lone adapter runs merged (lora_merge), weight_packed is that adapter's merged pack.
         self.register_buffer("weight_packed", None, persistent=False)
 
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fused output `y` cut into its packed modules' outputs (views)."""
+        return tuple(y[:, start:end] for start, end in self._slices)
+
     @torch.no_grad()
     def prepack(self) -> None:
         self.weight_packed = prepack(self.weight)
