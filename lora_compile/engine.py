@@ -175,9 +175,8 @@ class Engine:
         n_single = len(single)
         n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
         dummy = n_tokens - 1
-        # Each token indexes the layers' stacked LoRA weights: slot s at s - 1, base-model tokens the zero slot.
+        # Each token indexes the layers' stacked LoRA weights by its slot (0, the base model: zero rows).
         lora_slots = {p.seq.lora_slot for p in (*single, *chunks)}
-        zero_slot = self.config.max_loras_per_batch
 
         input_ids, positions, slot_mapping, lora_col = [], [], [], []
         for p in (*single, *chunks):
@@ -185,8 +184,8 @@ class Engine:
             input_ids += p.seq.tokens(p.start, p.start + p.length)
             positions += range(p.start, p.start + p.length)
             slot_mapping += range(kv + p.start, kv + p.start + p.length)
-            lora_col += [p.seq.lora_slot - 1 if p.seq.lora_slot else zero_slot] * p.length
-        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(zero_slot)
+            lora_col += [p.seq.lora_slot] * p.length
+        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(0)
 
         dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
         dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)

@@ -27,8 +27,8 @@ class AttentionMetadata:
 
 @dataclass
 class LoRABatch:
-    # (T,) each token's index into the layers' stacked LoRA weights: device slot s at s - 1, and the zero slot
-    # (max_loras_per_batch) for base-model tokens. None when no token of the step uses an adapter.
+    # (T,) each token's LoRA slot, its row in the layers' stacked LoRA weights: 0 for base-model tokens (zero rows),
+    # device slots 1..max_loras_per_batch. None when no token of the step uses an adapter.
     weight_indices: torch.Tensor | None
 
 

@@ -64,9 +64,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LoRALinear(nn.Module):
     """A linear layer (optionally several fused ones: qkv, gate_up) plus stacked LoRA slots.
 
-    `lora_a_stack[i]` is slot i + 1's A, (c·max_rank, in), and `lora_b[i]` its B transposed (max_rank, out), scaling
-    folded in. The last stored slot is a spare that stays zero: tokens of the base model index it. Ranks below
-    max_rank are zero-padded. Everything constant is a buffer created here: nothing is rebuilt per batch.
+    `lora_a_stack[s]` is device slot s's A, (c·max_rank, in), and `lora_b[s]` its B transposed (max_rank, out),
+    scaling folded in; slot 0 is the base model: its rows stay zero. Ranks below max_rank are zero-padded. Everything constant is a buffer created here: nothing is rebuilt per batch.
     """
 
     def __init__(
@@ -85,7 +84,7 @@ class LoRALinear(nn.Module):
         self.output_sizes = tuple(output_sizes)
         self.max_rank = max_rank
         self.slot_rows = len(output_sizes) * max_rank  # rows of A per slot
-        n_stored = max_loras + 1  # + the zero slot of base-model tokens
+        n_stored = max_loras + 1  # slot 0, the base model's zero rows, + device slots 1..max_loras
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -128,7 +127,7 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def merged_weight(self, slot: int) -> torch.Tensor:
         """W + B·A for slot `slot` (scaling folded in), (out, in): the weight a token of that adapter sees."""
-        a_rows, b = self.lora_a(slot), self.lora_b[slot - 1]
+        a_rows, b = self.lora_a(slot), self.lora_b[slot]
         merged = self.weight.clone()
         for i, (start, end) in enumerate(self._slices):
             merged[start:end] += b[:, start:end].T @ a_rows[i * self.max_rank : (i + 1) * self.max_rank]
@@ -136,9 +135,9 @@ class LoRALinear(nn.Module):
 
     def lora_a(self, slot: int) -> torch.Tensor:
         """Slot `slot`'s stacked A rows, (c·max_rank, in): a view into lora_a_stack."""
-        if not 1 <= slot <= self.max_loras:  # slot 0 (index -1) would be the base model's zero slot
+        if not 1 <= slot <= self.max_loras:  # slot 0 is the base model's: its rows stay zero
             raise ValueError(f"LoRA slot must be in [1, {self.max_loras}], got {slot}")
-        return self.lora_a_stack[slot - 1]
+        return self.lora_a_stack[slot]
 
     def forward(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         base = self._base(x)
@@ -154,7 +153,7 @@ class LoRALinear(nn.Module):
         parts[i] is (A (r, in), B_scaled (out_i, r)) for output slice i, or None where the adapter lacks it.
         """
         self.clear_slot(slot)
-        a_rows, b = self.lora_a(slot), self.lora_b[slot - 1]
+        a_rows, b = self.lora_a(slot), self.lora_b[slot]
         for i, part in enumerate(parts):
             if part is None:
                 continue
@@ -167,7 +166,7 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
         self.lora_a(slot).zero_()
-        self.lora_b[slot - 1].zero_()
+        self.lora_b[slot].zero_()
 
 
 def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
@@ -189,7 +188,7 @@ def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: to
     c, r = len(layer.output_sizes), layer.max_rank
     delta = x.new_zeros(x.shape[0], layer.out_features)
     for index in weight_indices.unique().tolist():
-        if index == layer.max_loras:  # the zero slot of base-model tokens
+        if index == 0:  # base-model tokens: zero rows
             continue
         rows = (weight_indices == index).nonzero().squeeze(1)
         shrink = F.linear(x[rows], layer.lora_a_stack[index]).view(-1, c, r)

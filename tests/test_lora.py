@@ -81,14 +81,13 @@ def test_lora_layer_matches_per_token_reference_on_every_path(compiled):
     adapters = {2: [(torch.randn(8, 64), torch.randn(64, 8)), None, (torch.randn(4, 64), torch.randn(32, 4))]}
     layer.load_slot(2, adapters[2])
     x = torch.randn(5, 64)
-    zero = 2  # max_loras: the zero slot of base-model tokens
-    cases = [[0] * 5, [1, 1, 1, 0, 0], [2, 2, 2, 0, 0], [1, 2, 0, 1, 1]]  # device slot per token
+    cases = [[0] * 5, [1, 1, 1, 0, 0], [2, 2, 2, 0, 0], [1, 2, 0, 1, 1]]  # device slot per token (0: base model)
     forward = torch.compile(layer, fullgraph=True, dynamic=True) if compiled else layer
 
     def run(slots: list[int]) -> torch.Tensor:
         if not any(slots):
             return forward(x, LoRABatch(weight_indices=None))
-        return forward(x, LoRABatch(weight_indices=torch.tensor([s - 1 if s else zero for s in slots])))
+        return forward(x, LoRABatch(weight_indices=torch.tensor(slots)))
 
     for packed in (False, True):
         if packed:
