@@ -79,9 +79,11 @@ class LoRALinear(nn.Module):
         device: torch.device,
     ):
         super().__init__()
-        out_features = sum(output_sizes)
+        self.output_sizes = tuple(output_sizes)  # the one table every slice of this layer derives from
+        # Where each packed module's output starts: [0, q, q+kv, q+2kv] for qkv, [0, i, 2i] for gate_up.
+        offsets = torch.tensor((0, *self.output_sizes), dtype=torch.int64).cumsum(0)
+        out_features = int(offsets[-1])
         self.in_features, self.out_features = in_features, out_features
-        self.output_sizes = tuple(output_sizes)
         self.max_rank = max_rank
         self.slot_rows = len(output_sizes) * max_rank  # rows of A per slot
         n_stored = max_loras + 1  # slot 0, the base model's zero rows, + device slots 1..max_loras
@@ -95,13 +97,10 @@ class LoRALinear(nn.Module):
             "lora_a_stack", torch.zeros(n_stored, self.slot_rows, in_features, dtype=dtype, device=device),
             persistent=False,
         )
-        offsets = [0]
-        for size in output_sizes:
-            offsets.append(offsets[-1] + size)
-        # Where each fused projection's output starts: [0, q, q+kv, q+2kv] for qkv, [0, i, 2i] for gate_up.
-        self.register_buffer("output_offset", torch.tensor(offsets, dtype=torch.int64, device=device), persistent=False)
-        # Python copy of the same offsets: slicing by them in the compiled graph keeps the shapes static.
-        self._slices = tuple(zip(offsets[:-1], offsets[1:]))
+        self.register_buffer("output_offset", offsets.to(device), persistent=False)
+        # output_offset's only reader, at construction: no step needs offsets as a tensor (docs/architecture.md).
+        bounds = offsets.tolist()
+        self._slices = tuple(zip(bounds[:-1], bounds[1:]))  # what split(), the slot loaders and LoRA paths slice by
         # B transposed, output dim innermost: the expand then vectorises over outputs and sums over the rank
         # with no horizontal reduction per output (python -m benchmarks.lora_layer).
         self.register_buffer(
