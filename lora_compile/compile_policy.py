@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def _layer_variant(layer, x, *batch) -> int:
     """Which traced layer a call reuses. Every layer of a model is built from the same config (same shapes,
     dtypes, window), so the only difference between calls is whether the step carries adapters. Keying on it
     skips comparing each call's inputs against the first trace (seconds of every start)."""
-    return 0 if batch[-1] is None else 1  # batch: ForwardBatch.flat(), weight_indices last
+    return int(ForwardBatch.flat_has_lora(batch))
 
 
 # Marks the decoder layer's forward: a no-op in eager mode.
@@ -76,7 +77,7 @@ def compile_each_layer(model) -> None:
     compiled frame, called from Python once per layer."""
     def each_layer(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         mark_dynamic(h, fb)
-        return _each_layer(model.layers, h, fb)
+        return _each_layer(model.layers, h, dataclasses.replace(fb, compiled=True))
 
     model._run_layers = each_layer
     for layer in model.layers:
@@ -97,19 +98,10 @@ def unaliased(batch: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | No
 
 
 def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
-    """Mark every step-varying dim of the stack's inputs dynamic (all are >= 2 by construction: a step has a dummy
-    token). Needed where Dynamo traces, and where its guards check the marks (every call of a traced stack); a
-    saved stack checks sizes only, so its steps skip this (~1 ms a step on 2 cores)."""
-    md = fb.attn
-    tensors = [
-        (h, (0,)), (fb.cos, (0,)), (fb.sin, (0,)), (md.slot_mapping, (0,)), (md.decode_token_idx, (0,)),
-        (md.decode_q_pos, (0,)), (md.decode_kv_slots, (0,)), (md.decode_key_pos, (0,)),
-        (md.prefill_token_idx, (0, 1)), (md.prefill_q_pos, (0, 1)), (md.prefill_kv_slots, (0,)),
-        (md.prefill_key_pos, (0,)), (md.out_idx, (0,)),
-    ]
-    if fb.lora.weight_indices is not None:
-        tensors.append((fb.lora.weight_indices, (0,)))
-    for tensor, dims in tensors:
+    """Mark every step-varying dim of the stack's inputs dynamic: the hidden states' rows (one per token) and the
+    dims each ForwardBatch field declares. Needed where Dynamo traces, and where its guards check the marks (every
+    call of a traced stack); a saved stack checks sizes only, so its steps skip this (~1 ms a step on 2 cores)."""
+    for tensor, dims in [(h, (0,)), *fb.dynamic_dims()]:
         for d in dims:
             torch._dynamo.mark_dynamic(tensor, d)
 

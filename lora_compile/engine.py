@@ -216,36 +216,37 @@ class Engine:
                 logits_idx.append(flat - 1)
                 sampled.append(p.seq)
 
-        fields = [input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos, pre_kv,
-                  out_idx, weight_indices, logits_idx]
-        sizes = [len(f) for f in fields]
-        total = sum(sizes)
+        columns = {  # each filled into the buffer in turn, then read back as a view by its name
+            "input_ids": input_ids, "positions": positions, "slot_mapping": slot_mapping, "decode_token_idx": dec_idx,
+            "decode_q_pos": dec_pos, "decode_kv_slots": dec_kv, "prefill_token_idx": pre_idx, "prefill_q_pos": pre_pos,
+            "prefill_kv_slots": pre_kv, "out_idx": out_idx, "weight_indices": weight_indices, "logits_idx": logits_idx,
+        }
+        total = sum(len(c) for c in columns.values())
         if total > self._meta_np.shape[0]:
             raise RuntimeError(f"step metadata needs {total} entries, buffer holds {self._meta_np.shape[0]}")
         start = 0
-        for f, size in zip(fields, sizes):
-            self._meta_np[start:start + size] = f
-            start += size
+        for c in columns.values():
+            self._meta_np[start:start + len(c)] = c
+            start += len(c)
         buf = self._meta_dev
         if buf is not self._meta_host:
             buf[:total].copy_(self._meta_host[:total], non_blocking=True)  # the step's one host-to-device copy
-        views, start = [], 0
-        for size in sizes:
-            views.append(buf[start:start + size])
-            start += size
-        (v_ids, v_pos, v_slot_mapping, v_dec_idx, v_dec_pos, v_dec_kv, v_pre_idx, v_pre_pos, v_pre_kv,
-         v_out_idx, v_weight_indices, v_logits_idx) = views
+        v, start = {}, 0
+        for name, c in columns.items():
+            v[name] = buf[start:start + len(c)]
+            start += len(c)
         attn = AttentionMetadata(
-            slot_mapping=v_slot_mapping,
-            decode_token_idx=v_dec_idx, decode_q_pos=v_dec_pos, decode_kv_slots=v_dec_kv,
+            slot_mapping=v["slot_mapping"],
+            decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"], decode_kv_slots=v["decode_kv_slots"],
             decode_key_pos=self._arange[: max(2, max(dec_pos) + 1)],
-            prefill_token_idx=v_pre_idx.view(n_rows, width), prefill_q_pos=v_pre_pos.view(n_rows, width),
-            prefill_kv_slots=v_pre_kv, prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],
-            out_idx=v_out_idx,
+            prefill_token_idx=v["prefill_token_idx"].view(n_rows, width),
+            prefill_q_pos=v["prefill_q_pos"].view(n_rows, width),
+            prefill_kv_slots=v["prefill_kv_slots"], prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],
+            out_idx=v["out_idx"],
         )
-        lora = LoRABatch(weight_indices=v_weight_indices if weight_indices else None)
-        fb = ForwardBatch(cos=self.rope_cos[v_pos], sin=self.rope_sin[v_pos], attn=attn, lora=lora)
-        return v_ids, fb, v_logits_idx, sampled, len(lora_slots - {0})
+        lora = LoRABatch(weight_indices=v["weight_indices"] if weight_indices else None)
+        fb = ForwardBatch(cos=self.rope_cos[v["positions"]], sin=self.rope_sin[v["positions"]], attn=attn, lora=lora)
+        return v["input_ids"], fb, v["logits_idx"], sampled, len(lora_slots - {0})
 
     @torch.inference_mode()
     def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:

@@ -138,11 +138,12 @@ class LoRALinear(nn.Module):
             raise ValueError(f"LoRA slot must be in [1, {self.max_loras}], got {slot}")
         return self.lora_a_stack[slot]
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch, compiled: bool = False) -> torch.Tensor:
+        """`compiled`: inside a compiled graph (ForwardBatch.compiled), where the indexed LoRA form is the cheap one."""
         base = self._base(x)
         if lora.weight_indices is None:  # base-model-only step: its own graph, with no LoRA work at all
             return base
-        delta = _lora_delta_indexed if torch.compiler.is_compiling() else _lora_delta_segmented
+        delta = _lora_delta_indexed if compiled else _lora_delta_segmented
         return base + delta(self, x, lora.weight_indices)
 
     @torch.no_grad()

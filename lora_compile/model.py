@@ -85,14 +85,11 @@ def attend_decode(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """attend() for one query per sequence; returns (B, H*D).
+    """attend() for one query per sequence, for the compiler; returns (B, H*D).
 
     Compiled, both products are reductions that read K and V straight from the cache by slot inside the loop:
     nothing is gathered into a (B, Hkv, D, S) copy and no bmm is called, which halves decode attention at
-    batch 8 (python -m benchmarks.attention). Eager would materialise the broadcast products: it keeps attend()."""
-    if not torch.compiler.is_compiling():
-        return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], kv_slots, key_pos, scale,
-                      sliding_window)
+    batch 8 (python -m benchmarks.attention). Eager would materialise the broadcast products: it calls attend()."""
     batch, s = token_idx.shape[0], key_pos.shape[0]
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
@@ -128,7 +125,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x, fb.lora)
+        qkv = self.qkv_proj(x, fb.lora, fb.compiled)
         q, k, v = self.qkv_proj.split(qkv)
         # reshape, not view: on CPU the projection's output is a transposed layout (see packed_gemm.plain_linear)
         q = q.reshape(tokens, self.n_heads, self.head_dim)
@@ -140,16 +137,18 @@ class Attention(nn.Module):
         # Write this step's keys/values first, so each query block reads its own chunk from the cache too.
         self.k_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = k
         self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v
-        decode = attend_decode(
-            q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
-            md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window,
-        )
+        if fb.compiled:
+            decode = attend_decode(q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
+                                   md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window)
+        else:
+            decode = attend(q, self.k_cache, self.v_cache, md.decode_token_idx[:, None], md.decode_q_pos[:, None],
+                            md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window)
         prefill = attend(
             q, self.k_cache, self.v_cache, md.prefill_token_idx, md.prefill_q_pos,
             md.prefill_kv_slots, md.prefill_key_pos, self.scale, self.sliding_window,
         )
         out = torch.cat([decode, prefill], dim=0)[md.out_idx]
-        return self.o_proj(out, fb.lora)
+        return self.o_proj(out, fb.lora, fb.compiled)
 
 
 class MLP(nn.Module):
@@ -159,8 +158,8 @@ class MLP(nn.Module):
         self.down_proj = _projection(cfg, "mlp.down_proj", cfg.mlp_bias, max_loras, max_rank, dtype, device)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, fb.lora))
-        return self.down_proj(F.silu(gate) * up, fb.lora)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, fb.lora, fb.compiled))
+        return self.down_proj(F.silu(gate) * up, fb.lora, fb.compiled)
 
 
 class DecoderLayer(nn.Module):
@@ -186,14 +185,18 @@ class DecoderLayer(nn.Module):
 # directly, not layer(x, fb), so that no module-call machinery is traced per layer.
 @compile_policy.repeated_region
 def _decoder_layer(layer: DecoderLayer, x: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
-    return layer.forward(x, ForwardBatch.from_flat(batch))
+    return layer.forward(x, ForwardBatch.from_flat(batch, compiled=True))
 
 
 def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
-    """Every decoder layer over h. The compiled unit (compile_policy): the model is an argument, so what is
-    compiled and saved serves any instance of the same shapes (precompile)."""
-    if torch.compiler.is_compiling():
-        batch = compile_policy.unaliased(batch)
+    """Every decoder layer over h (batch: ForwardBatch.flat()). The compiled unit (compile_policy): the model is an
+    argument, so what is compiled and saved serves any instance of the same shapes (precompile)."""
+    if not torch.compiler.is_compiling():  # the model's one question; the answer travels in ForwardBatch.compiled
+        fb = ForwardBatch.from_flat(batch)
+        for layer in model.layers:
+            h = layer.forward(h, fb)
+        return h
+    batch = compile_policy.unaliased(batch)
     for layer in model.layers:
         h = _decoder_layer(layer, h, *batch)
     return h

@@ -87,7 +87,7 @@ class PrecompiledStack:
                                  f"{tuple(self._width)}; this step has {h.dtype} and {tuple(h.shape[1:])} "
                                  "(would recompile)")
         batch = fb.flat()
-        variant = VARIANTS[batch[-1] is not None]
+        variant = VARIANTS[ForwardBatch.flat_has_lora(batch)]
         fn = self._fns.get(variant) or self._load_or_compile(variant, h, fb)
         try:
             return fn(self.model, h, *batch)

@@ -86,8 +86,8 @@ def test_lora_layer_matches_per_token_reference_on_every_path(compiled):
 
     def run(slots: list[int]) -> torch.Tensor:
         if not any(slots):
-            return forward(x, LoRABatch(weight_indices=None))
-        return forward(x, LoRABatch(weight_indices=torch.tensor(slots)))
+            return forward(x, LoRABatch(weight_indices=None), compiled)
+        return forward(x, LoRABatch(weight_indices=torch.tensor(slots)), compiled)
 
     for packed in (False, True):
         if packed:
