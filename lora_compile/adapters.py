@@ -37,10 +37,6 @@ class LoRAAdapter:
     target_modules: tuple[str, ...]
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for layer in self.weights for a, b in layer.values())
-
 
 def resolve_adapter_path(path: str | os.PathLike, roots: tuple[str, ...]) -> Path:
     """The adapter directory, resolved; with `roots`, it must lie inside one of them (symlinks followed)."""

@@ -46,7 +46,6 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -104,7 +103,6 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(raw, source),
                 sliding_window=_sliding_window(raw),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
-                bos_token_id=raw.get("bos_token_id"),
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from e

@@ -61,7 +61,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model)
         self.model_config = mc = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids, mc.bos_token_id)
+        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
         self.model_name = model_dir.name
         if config.compile:
             compile_policy.configure(config.inductor_cache_dir)

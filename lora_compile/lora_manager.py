@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .adapters import LoRAAdapter, load_adapter, resolve_adapter_path
+from .adapters import LoRAAdapter, load_adapter
 from .config import ModelConfig
 from .errors import AdapterInUseError, AdapterNotFoundError
 from .model import CausalLM
@@ -76,9 +76,6 @@ class LoRAManager:
     def list(self) -> list[AdapterInfo]:
         with self._lock:
             return [self._info(n) for n in sorted(self._paths)]
-
-    def resolve_path(self, path: str) -> Path:
-        return resolve_adapter_path(path, self.roots)
 
     # --- device slots -------------------------------------------------------------------------------
     def acquire(self, name: str | None) -> int | None:

@@ -1,4 +1,4 @@
-"""tokenizer.json (Hugging Face `tokenizers`) plus the ids the engine needs: EOS and BOS."""
+"""tokenizer.json (Hugging Face `tokenizers`) plus the ids the engine needs: EOS."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from .errors import CheckpointError
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
+    def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...] = ()):
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; the model directory needs a tokenizer.json")
@@ -20,7 +20,6 @@ class Tokenizer:
             raise CheckpointError(f"{path}: cannot be read by the tokenizers library ({e})") from e
         eos = set(eos_token_ids) | set(_generation_eos(Path(model_dir)))
         self.eos_token_ids = frozenset(eos)
-        self.bos_token_id = bos_token_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
