@@ -300,19 +300,19 @@ class Engine:
 
     # --- warm-up ------------------------------------------------------------------------------------
     def warmup(self) -> float:
-        """Compile every graph variant (no adapter / adapters) on throwaway sequences in the scratch slot."""
+        """Compile both graph variants, base model only and with adapters, on throwaway sequences that write only to
+        the scratch KV slot: decodes and prefill chunks, so every dynamic dim is traced at a size >= 2."""
         t0 = time.perf_counter()
         if self._compiled and not self._warmed_up:
             max_tokens = self.config.max_num_batched_tokens
             lengths = [1, 1, 1, min(5, max_tokens // 4), min(7, max_tokens // 3)]
-            # Graph variants: base model only, and with adapters (any mix: the slots hold zeros or registered
-            # adapters; these throwaway sequences write only to the scratch KV slot).
-            for m in sorted({0, min(3, self.config.max_loras_per_batch)}):
+            # The adapter variant is one graph for any mix of slots: slot 1 (zeros or a registered adapter) beside
+            # base-model tokens covers it.
+            for slots in ([0, 0, 0, 0, 0], [1, 0, 1, 0, 1]):
                 seqs = []
-                for i, n in enumerate(lengths):
+                for i, (n, slot) in enumerate(zip(lengths, slots)):
                     seq = Sequence(-1 - i, list(range(1, n + 1)), SamplingParams(max_new_tokens=1))
-                    seq.kv_slot = self._scratch_slot
-                    seq.lora_slot = [m, 0, min(m, 1), 0, m][i]
+                    seq.kv_slot, seq.lora_slot = self._scratch_slot, slot
                     seqs.append(seq)
                 self.step(seqs)
         self._warmed_up = True

@@ -161,7 +161,7 @@ def test_inductor_cache_directory_is_used(compiled_engines):
 
 @pytest.mark.parametrize("max_loras", [1, 2])
 def test_small_slot_counts_warm_up_and_never_recompile(models, adapters, max_loras):
-    """With 1 or 2 slots every slot count m is its own static graph; all are compiled in warm-up."""
+    """With 1 or 2 slots, warm-up's two variants (base, adapters) serve every mix: no graph per slot count."""
     names = list(adapters["llama"])[:max_loras]
     engine = build_engine(models["llama"], {n: adapters["llama"][n] for n in names}, compile=True,
                           max_loras_per_batch=max_loras)
