@@ -175,6 +175,9 @@ class EngineConfig:
     # steps), so a batch must stay on one adapter for a while before it pays for one.
     merge_lone_adapter: MergeMode = "auto"
     merge_after_steps: int = 16
+    # With compile: Inductor's cache directory (the saved layer stack goes there too). Set for the whole process
+    # as TORCHINDUCTOR_CACHE_DIR, torch's only setting for it; None: an operator's TORCHINDUCTOR_CACHE_DIR, else
+    # ~/.cache/lora-serve/inductor (compile_policy.configure).
     inductor_cache_dir: str | None = None
     adapter_roots: tuple[str, ...] = ()  # empty: any directory may be registered (local/offline use)
     seed: int = 0

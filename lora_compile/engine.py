@@ -63,8 +63,8 @@ class Engine:
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
         self.model_name = model_dir.name
-        if config.compile:
-            compile_policy.configure(config.inductor_cache_dir)
+        # With compile: the Inductor cache directory, which configure sets for the process (TORCHINDUCTOR_CACHE_DIR).
+        self.inductor_cache_dir = compile_policy.configure(config.inductor_cache_dir) if config.compile else None
         self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device)
         with SafetensorsCheckpoint(model_dir) as ckpt:
             self.model.load_weights(ckpt)
@@ -96,7 +96,7 @@ class Engine:
         self._compiled = config.compile
         self._warmed_up = False
         if self._compiled:
-            compile_policy.compile_model(self.model, config.precompile)
+            compile_policy.compile_model(self.model, self.inductor_cache_dir, config.precompile)
 
     @property
     def weights_packed(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,9 +155,12 @@ def test_long_prompt_is_chunked_while_others_decode(compiled_engines):
 
 
 def test_inductor_cache_directory_is_used(compiled_engines):
-    compiled_engines("llama")
+    engine = compiled_engines("llama")
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == INDUCTOR_CACHE
     assert any(os.scandir(INDUCTOR_CACHE))
+    # the directory configure chose is the one the saved stack goes to
+    assert engine.inductor_cache_dir == Path(INDUCTOR_CACHE)
+    assert engine.model._run_layers.directory == Path(INDUCTOR_CACHE) / "lora-serve-stacks"
 
 
 @pytest.mark.parametrize("max_loras", [1, 2])
