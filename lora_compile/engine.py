@@ -61,6 +61,12 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model)
         self.model_config = mc = ModelConfig.from_dir(model_dir)
+        if config.max_seq_len > mc.max_position_embeddings:  # positions past it were never trained: refuse, not drift
+            raise ValueError(
+                f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}; set --max-seq-len (EngineConfig.max_seq_len) to at most "
+                f"{mc.max_position_embeddings}"
+            )
         self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
         self.model_name = model_dir.name
         # With compile: the Inductor cache directory, which configure sets for the process (TORCHINDUCTOR_CACHE_DIR).
