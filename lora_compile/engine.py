@@ -243,8 +243,8 @@ class Engine:
             start += len(c)
         attn = AttentionMetadata(
             slot_mapping=v["slot_mapping"],
-            decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"], decode_kv_slots=v["decode_kv_slots"],
-            decode_key_pos=self._arange[: max(2, max(dec_pos) + 1)],
+            decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"],
+            decode_kv_slots=v["decode_kv_slots"], decode_key_pos=self._arange[: max(2, max(dec_pos) + 1)],
             prefill_token_idx=v["prefill_token_idx"].view(n_rows, width),
             prefill_q_pos=v["prefill_q_pos"].view(n_rows, width),
             prefill_kv_slots=v["prefill_kv_slots"], prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],

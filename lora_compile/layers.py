@@ -65,7 +65,8 @@ class LoRALinear(nn.Module):
     """A linear layer (optionally several fused ones: qkv, gate_up) plus stacked LoRA slots.
 
     `lora_a_stack[s]` is device slot s's A, (c·max_rank, in), and `lora_b[s]` its B transposed (max_rank, out),
-    scaling folded in; slot 0 is the base model: its rows stay zero. Ranks below max_rank are zero-padded. Everything constant is a buffer created here: nothing is rebuilt per batch.
+    scaling folded in; slot 0 is the base model: its rows stay zero. Ranks below max_rank are zero-padded.
+    Everything constant is a buffer created here: nothing is rebuilt per batch.
     """
 
     def __init__(
