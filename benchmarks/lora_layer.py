@@ -39,9 +39,9 @@ def make_layers() -> list[LoRALinear]:
             layer.load_slot(slot, [(torch.randn(RANK, in_features) * 0.05, torch.randn(o, RANK) * 0.05) for o in outs])
         layer.prepack()
         # What the masked all-slots form kept: every slot's A, and per slice every slot's B, oneDNN-packed.
-        layer.a_all = layer.lora_a_stack[:SLOTS].reshape(SLOTS * layer.slot_rows, in_features).contiguous()
+        layer.a_all = layer.lora_a_stack[1:].reshape(SLOTS * layer.slot_rows, in_features).contiguous()
         layer.a_all_packed = prepack(layer.a_all)
-        layer.b_all = [layer.lora_b[:SLOTS, :, s:e].permute(2, 0, 1).reshape(e - s, SLOTS * RANK).contiguous()
+        layer.b_all = [layer.lora_b[1:, :, s:e].permute(2, 0, 1).reshape(e - s, SLOTS * RANK).contiguous()
                        for s, e in layer._slices]
         # The layout the indexed form used before: B as (out, slot, rank), rank innermost.
         layer.b_out_major = layer.lora_b.permute(2, 0, 1).contiguous()
@@ -69,7 +69,7 @@ def indexed_out_major(layer, x, w, mask):  # the indexed form on B as (out, slot
 def masked_one_slot(layer, x, w, mask):  # mask: (T, 1), slot 1
     t, c = x.shape[0], len(layer.output_sizes)
     h = plain_linear(x, layer.lora_a(1)).reshape(t, c, RANK) * mask.view(t, 1, 1)
-    deltas = [h[:, i] @ layer.lora_b[0, :, s:e] for i, (s, e) in enumerate(layer._slices)]
+    deltas = [h[:, i] @ layer.lora_b[1, :, s:e] for i, (s, e) in enumerate(layer._slices)]
     return base(layer, x) + (deltas[0] if c == 1 else torch.cat(deltas, -1))
 
 
@@ -90,11 +90,10 @@ def compiled_layer(layers, form):
 def measure(tokens: int, rounds: int, layers) -> None:
     torch._dynamo.reset()  # every form at every size is a graph of its own: do not run into the recompile limit
     x576, x1536 = torch.randn(tokens, 576), torch.randn(tokens, 1536)
-    zero = SLOTS
-    one = torch.tensor([0] * (tokens - 1) + [zero])                       # every token on slot 1, one padding
-    mixed = torch.tensor([t % SLOTS for t in range(tokens - 1)] + [zero])  # 8 adapters
-    mask_one = (one == 0).float()[:, None]
-    mask_mixed = F.one_hot(mixed, SLOTS + 1)[:, :SLOTS].float()
+    one = torch.tensor([1] * (tokens - 1) + [0])                           # every token on slot 1, one padding
+    mixed = torch.tensor([1 + t % SLOTS for t in range(tokens - 1)] + [0])  # 8 adapters; slot 0: zero rows
+    mask_one = (one == 1).float()[:, None]
+    mask_mixed = F.one_hot(mixed, SLOTS + 1)[:, 1:].float()
     forms = {
         "base GEMMs alone": (compiled_layer(layers, lambda l, x, w, m: base(l, x)), one, mask_one),
         "1 adapter, indexed": (compiled_layer(layers, indexed), one, mask_one),

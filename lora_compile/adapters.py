@@ -16,11 +16,12 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
 from .errors import AdapterError, AdapterPathError
-from .model import LORA_TARGETS
+from .model import LORA_TARGETS, PROJECTIONS, module_shapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_PARENTS = "|".join(sorted({path.split(".")[0] for path in PROJECTIONS}))  # self_attn, mlp
+_KEY = re.compile(rf"(?:^|\.)layers\.(\d+)\.((?:{_PARENTS})\.(\w+))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 
 
@@ -35,10 +36,6 @@ class LoRAAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for layer in self.weights for a, b in layer.values())
 
 
 def resolve_adapter_path(path: str | os.PathLike, roots: tuple[str, ...]) -> Path:
@@ -63,9 +60,9 @@ def _targets_from_config(raw: dict, source: Path) -> tuple[str, ...]:
             return tuple(LORA_TARGETS)
         # PEFT treats a string as a regex matched in full against module paths.
         pattern = re.compile(targets)
-        names = {m for m in (*LORA_TARGETS, *_UNSUPPORTED_TARGETS)
-                 if pattern.fullmatch(f"model.layers.0.self_attn.{m}") or pattern.fullmatch(f"model.layers.0.mlp.{m}")
-                 or pattern.fullmatch(f"model.{m}") or pattern.fullmatch(m)}
+        paths = {m: (f"model.layers.0.{LORA_TARGETS[m]}", m) for m in LORA_TARGETS}
+        paths |= {m: (f"model.{m}", m) for m in _UNSUPPORTED_TARGETS}
+        names = {m for m, candidates in paths.items() if any(pattern.fullmatch(c) for c in candidates)}
     else:
         names = {_module_name(t) for t in targets}
     bad = sorted(n for n in names if n not in LORA_TARGETS)
@@ -161,12 +158,7 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
     numbers = _config_numbers(raw, f"adapter {name!r}: {config_path}")
     rank, alpha, use_rslora = numbers.r, numbers.lora_alpha, numbers.use_rslora
 
-    in_out = {
-        "q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
-        "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
-        "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-        "down_proj": (cfg.intermediate_size, cfg.hidden_size),
-    }
+    in_out = module_shapes(cfg)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights_path), framework="pt", device="cpu") as f:
@@ -174,8 +166,8 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
                 m = _KEY.search(key)
                 if m is None:
                     raise AdapterError(f"adapter {name!r}: {weights_path}: tensor {key!r} is not a supported LoRA weight")
-                layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-                if module not in LORA_TARGETS:
+                layer, path, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+                if LORA_TARGETS.get(module) != path:
                     raise AdapterError(f"adapter {name!r}: {weights_path}: module {module!r} ({key}) is not supported")
                 if layer >= cfg.num_hidden_layers:
                     raise AdapterError(

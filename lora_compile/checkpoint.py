@@ -6,7 +6,6 @@ parameters, so loading never holds a second full copy of the weights.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -59,12 +58,6 @@ class SafetensorsCheckpoint:
     def __exit__(self, *exc) -> None:
         self._stack.close()
         self._handles.clear()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._weight_map
-
-    def names(self) -> Iterator[str]:
-        return iter(self._weight_map)
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor `name`, checked against the expected shape; errors name the file and tensor."""

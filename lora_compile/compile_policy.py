@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -21,19 +22,27 @@ import torch
 from . import precompile
 from .forward_batch import ForwardBatch
 
+log = logging.getLogger(__name__)
+
 
 def default_inductor_cache_dir() -> Path:
     base = os.environ.get("LORA_SERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lora-serve")
     return Path(base) / "inductor"
 
 
-def configure(cache_dir: str | None) -> None:
-    """cache_dir wins; else an operator's TORCHINDUCTOR_CACHE_DIR; else ours (not torch's /tmp default)."""
+def configure(cache_dir: str | None) -> Path:
+    """Set the process-wide compile settings the engine needs (EngineConfig.compile) and return the Inductor cache
+    directory: `cache_dir`; else an operator's TORCHINDUCTOR_CACHE_DIR; else ours (not torch's /tmp default).
+
+    Inductor has no setting for that directory but the TORCHINDUCTOR_CACHE_DIR environment variable (torch reads
+    it, and hands it to its compile workers), so this sets the variable when it chooses the directory: the one
+    environment change lora_compile makes, documented on EngineConfig.inductor_cache_dir."""
     if cache_dir or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         path = Path(cache_dir) if cache_dir else default_inductor_cache_dir()
         path.mkdir(parents=True, exist_ok=True)
         # Assigned, not setdefault: once Inductor has run, torch has written its own default here.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        log.info("Inductor cache directory %s (TORCHINDUCTOR_CACHE_DIR set for this process)", path)
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     # Separate symbols for equal-sized dims at trace time; otherwise a later mismatch would recompile.
@@ -41,26 +50,28 @@ def configure(cache_dir: str | None) -> None:
     # Several models in one process (tests) each add entries for the shared decoder-layer code.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def _layer_variant(layer, x, *batch) -> int:
     """Which traced layer a call reuses. Every layer of a model is built from the same config (same shapes,
     dtypes, window), so the only difference between calls is whether the step carries adapters. Keying on it
     skips comparing each call's inputs against the first trace (seconds of every start)."""
-    return 0 if batch[-1] is None else 1  # batch: ForwardBatch.flat(), weight_indices last
+    return int(ForwardBatch.flat_has_lora(batch))
 
 
-# Marks the decoder layer's forward: a no-op in eager mode.
+# Marks the decoder layer's forward inside the compiled stack (eager calls the layers directly).
 repeated_region = torch.compiler.nested_compile_region(reuse_hash_fn=_layer_variant)
 
 
-def compile_model(model, precompiled: bool = True) -> None:
-    """Compile the model's layer stack (model.layer_stack) as one frame: saved and loaded with its traced frame
-    when `precompiled` (precompile.PrecompiledStack), else traced by torch.compile at every start."""
+def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
+    """Compile the model's layer stack (model.layer_stack) as one frame: saved in and loaded from `cache_dir` (what
+    configure returned) with its traced frame when `precompiled` (precompile.PrecompiledStack), else traced by
+    torch.compile at every start."""
     from .model import layer_stack
     if precompiled:
         model._run_layers = precompile.PrecompiledStack(model, layer_stack, mark_dynamic,
-                                                        precompile.default_directory())
+                                                        precompile.stacks_directory(cache_dir))
     else:
         compiled = torch.compile(layer_stack, fullgraph=True)
 
@@ -71,24 +82,6 @@ def compile_model(model, precompiled: bool = True) -> None:
         model._run_layers = traced
 
 
-def compile_each_layer(model) -> None:
-    """The scheme this replaced, kept for comparison (python -m benchmarks.compile_scope): each layer its own
-    compiled frame, called from Python once per layer."""
-    def each_layer(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        mark_dynamic(h, fb)
-        return _each_layer(model.layers, h, fb)
-
-    model._run_layers = each_layer
-    for layer in model.layers:
-        layer.compile(fullgraph=True)
-
-
-def _each_layer(layers, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-    for layer in layers:  # layer(...): its own compiled frame, which takes the metadata views as they are
-        h = layer(h, fb)
-    return h
-
-
 def unaliased(batch: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
     """The step's metadata (ForwardBatch.flat()) as separate tensors. They are views of one buffer (one copy per
     step), and the inputs of a nested region may not alias each other; inside the compiled frame this is one small
@@ -97,19 +90,10 @@ def unaliased(batch: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | No
 
 
 def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
-    """Mark every step-varying dim of the stack's inputs dynamic (all are >= 2 by construction: a step has a dummy
-    token). Needed where Dynamo traces, and where its guards check the marks (every call of a traced stack); a
-    saved stack checks sizes only, so its steps skip this (~1 ms a step on 2 cores)."""
-    md = fb.attn
-    tensors = [
-        (h, (0,)), (fb.cos, (0,)), (fb.sin, (0,)), (md.slot_mapping, (0,)), (md.decode_token_idx, (0,)),
-        (md.decode_q_pos, (0,)), (md.decode_kv_slots, (0,)), (md.decode_key_pos, (0,)),
-        (md.prefill_token_idx, (0, 1)), (md.prefill_q_pos, (0, 1)), (md.prefill_kv_slots, (0,)),
-        (md.prefill_key_pos, (0,)), (md.out_idx, (0,)),
-    ]
-    if fb.lora.weight_indices is not None:
-        tensors.append((fb.lora.weight_indices, (0,)))
-    for tensor, dims in tensors:
+    """Mark every step-varying dim of the stack's inputs dynamic: the hidden states' rows (one per token) and the
+    dims each ForwardBatch field declares. Needed where Dynamo traces, and where its guards check the marks (every
+    call of a traced stack); a saved stack checks sizes only, so its steps skip this (~1 ms a step on 2 cores)."""
+    for tensor, dims in [(h, (0,)), *fb.dynamic_dims()]:
         for d in dims:
             torch._dynamo.mark_dynamic(tensor, d)
 

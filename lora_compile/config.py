@@ -46,7 +46,6 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -104,7 +103,6 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(raw, source),
                 sliding_window=_sliding_window(raw),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
-                bos_token_id=raw.get("bos_token_id"),
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from e
@@ -177,6 +175,9 @@ class EngineConfig:
     # steps), so a batch must stay on one adapter for a while before it pays for one.
     merge_lone_adapter: MergeMode = "auto"
     merge_after_steps: int = 16
+    # With compile: Inductor's cache directory (the saved layer stack goes there too). Set for the whole process
+    # as TORCHINDUCTOR_CACHE_DIR, torch's only setting for it; None: an operator's TORCHINDUCTOR_CACHE_DIR, else
+    # ~/.cache/lora-serve/inductor (compile_policy.configure).
     inductor_cache_dir: str | None = None
     adapter_roots: tuple[str, ...] = ()  # empty: any directory may be registered (local/offline use)
     seed: int = 0

@@ -19,6 +19,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from .config import ModelConfig
+from .model import LORA_TARGETS, module_shapes
+
 DEMO_VERSION = "demo-v1"
 MODEL_DIRNAME = "demo-llama-v1"
 ADAPTERS_DIRNAME = "demo-adapters-v1"
@@ -188,22 +191,9 @@ def write_demo_tokenizer(out_dir: Path) -> int:
 # --------------------------------------------------------------------------------------------- model
 
 
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
 def _module_dims(module: str) -> tuple[int, int]:
     """(in_features, out_features) of a linear layer of a decoder layer of the demo model."""
-    kv = KV_HEADS * HEAD_DIM
-    return {
-        "q_proj": (HIDDEN, HEADS * HEAD_DIM), "k_proj": (HIDDEN, kv), "v_proj": (HIDDEN, kv),
-        "o_proj": (HEADS * HEAD_DIM, HIDDEN), "gate_proj": (HIDDEN, INTERMEDIATE),
-        "up_proj": (HIDDEN, INTERMEDIATE), "down_proj": (INTERMEDIATE, HIDDEN),
-    }[module]
-
-
-def _group(module: str) -> str:
-    return "self_attn" if module in _ATTN else "mlp"
+    return module_shapes(ModelConfig.from_dict(_model_config(VOCAB_SIZE)))[module]
 
 
 def _model_config(vocab_size: int) -> dict:
@@ -238,9 +228,9 @@ def _model_shapes(vocab_size: int) -> dict[str, tuple[int, ...]]:
     for i in range(LAYERS):
         shapes[f"model.layers.{i}.input_layernorm.weight"] = (HIDDEN,)
         shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (HIDDEN,)
-        for module in _ATTN + _MLP:
+        for module, path in LORA_TARGETS.items():
             fan_in, fan_out = _module_dims(module)
-            shapes[f"model.layers.{i}.{_group(module)}.{module}.weight"] = (fan_out, fan_in)
+            shapes[f"model.layers.{i}.{path}.weight"] = (fan_out, fan_in)
     shapes |= {"model.norm.weight": (HIDDEN,), "lm_head.weight": (vocab_size, HIDDEN)}
     return shapes
 
@@ -302,8 +292,9 @@ class DemoAdapter:
 
 DEMO_ADAPTERS = (
     DemoAdapter("pirate", r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), use_rslora=False, seed=11, strength=1.0),
-    DemoAdapter("poet", r=16, lora_alpha=32, target_modules=_ATTN + _MLP, use_rslora=False, seed=22, strength=0.5),
-    DemoAdapter("scribe", r=4, lora_alpha=8, target_modules=("o_proj",) + _MLP, use_rslora=True, seed=33, strength=0.5),
+    DemoAdapter("poet", r=16, lora_alpha=32, target_modules=tuple(LORA_TARGETS), use_rslora=False, seed=22, strength=0.5),
+    DemoAdapter("scribe", r=4, lora_alpha=8, target_modules=("o_proj", "gate_proj", "up_proj", "down_proj"),
+                use_rslora=True, seed=33, strength=0.5),
 )
 
 
@@ -347,7 +338,7 @@ def _adapter_weights(spec: DemoAdapter) -> dict[str, torch.Tensor]:
     weights = {}
     for i in range(LAYERS):
         for module in spec.target_modules:
-            key = f"base_model.model.model.layers.{i}.{_group(module)}.{module}"
+            key = f"base_model.model.model.layers.{i}.{LORA_TARGETS[module]}"
             fan_in, fan_out = _module_dims(module)
             weights[f"{key}.lora_A.weight"] = torch.randn(spec.r, fan_in, generator=gen) / fan_in**0.5
             weights[f"{key}.lora_B.weight"] = torch.randn(fan_out, spec.r, generator=gen) * b_std

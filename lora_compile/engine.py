@@ -67,10 +67,16 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model)
         self.model_config = mc = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids, mc.bos_token_id)
+        if config.max_seq_len > mc.max_position_embeddings:  # positions past it were never trained: refuse, not drift
+            raise ValueError(
+                f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}; set --max-seq-len (EngineConfig.max_seq_len) to at most "
+                f"{mc.max_position_embeddings}"
+            )
+        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
         self.model_name = model_dir.name
-        if config.compile:
-            compile_policy.configure(config.inductor_cache_dir)
+        # With compile: the Inductor cache directory, which configure sets for the process (TORCHINDUCTOR_CACHE_DIR).
+        self.inductor_cache_dir = compile_policy.configure(config.inductor_cache_dir) if config.compile else None
         self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device)
         with SafetensorsCheckpoint(model_dir) as ckpt:
             self.model.load_weights(ckpt)
@@ -102,7 +108,7 @@ class Engine:
         self._compiled = config.compile
         self._warmed_up = False
         if self._compiled:
-            compile_policy.compile_model(self.model, config.precompile)
+            compile_policy.compile_model(self.model, self.inductor_cache_dir, config.precompile)
 
     @property
     def weights_packed(self) -> bool:
@@ -181,9 +187,8 @@ class Engine:
         n_single = len(single)
         n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
         dummy = n_tokens - 1
-        # Each token indexes the layers' stacked LoRA weights: slot s at s - 1, base-model tokens the zero slot.
+        # Each token indexes the layers' stacked LoRA weights by its slot (0, the base model: zero rows).
         lora_slots = {p.seq.lora_slot for p in (*single, *chunks)}
-        zero_slot = self.config.max_loras_per_batch
 
         input_ids, positions, slot_mapping, lora_col = [], [], [], []
         for p in (*single, *chunks):
@@ -191,8 +196,8 @@ class Engine:
             input_ids += p.seq.tokens(p.start, p.start + p.length)
             positions += range(p.start, p.start + p.length)
             slot_mapping += range(kv + p.start, kv + p.start + p.length)
-            lora_col += [p.seq.lora_slot - 1 if p.seq.lora_slot else zero_slot] * p.length
-        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(zero_slot)
+            lora_col += [p.seq.lora_slot] * p.length
+        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(0)
 
         dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
         dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)
@@ -223,36 +228,37 @@ class Engine:
                 logits_idx.append(flat - 1)
                 sampled.append(p.seq)
 
-        fields = [input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos, pre_kv,
-                  out_idx, weight_indices, logits_idx]
-        sizes = [len(f) for f in fields]
-        total = sum(sizes)
+        columns = {  # each filled into the buffer in turn, then read back as a view by its name
+            "input_ids": input_ids, "positions": positions, "slot_mapping": slot_mapping, "decode_token_idx": dec_idx,
+            "decode_q_pos": dec_pos, "decode_kv_slots": dec_kv, "prefill_token_idx": pre_idx, "prefill_q_pos": pre_pos,
+            "prefill_kv_slots": pre_kv, "out_idx": out_idx, "weight_indices": weight_indices, "logits_idx": logits_idx,
+        }
+        total = sum(len(c) for c in columns.values())
         if total > self._meta_np.shape[0]:
             raise RuntimeError(f"step metadata needs {total} entries, buffer holds {self._meta_np.shape[0]}")
         start = 0
-        for f, size in zip(fields, sizes):
-            self._meta_np[start:start + size] = f
-            start += size
+        for c in columns.values():
+            self._meta_np[start:start + len(c)] = c
+            start += len(c)
         buf = self._meta_dev
         if buf is not self._meta_host:
             buf[:total].copy_(self._meta_host[:total], non_blocking=True)  # the step's one host-to-device copy
-        views, start = [], 0
-        for size in sizes:
-            views.append(buf[start:start + size])
-            start += size
-        (v_ids, v_pos, v_slot_mapping, v_dec_idx, v_dec_pos, v_dec_kv, v_pre_idx, v_pre_pos, v_pre_kv,
-         v_out_idx, v_weight_indices, v_logits_idx) = views
+        v, start = {}, 0
+        for name, c in columns.items():
+            v[name] = buf[start:start + len(c)]
+            start += len(c)
         attn = AttentionMetadata(
-            slot_mapping=v_slot_mapping,
-            decode_token_idx=v_dec_idx, decode_q_pos=v_dec_pos, decode_kv_slots=v_dec_kv,
-            decode_key_pos=self._arange[: max(2, max(dec_pos) + 1)],
-            prefill_token_idx=v_pre_idx.view(n_rows, width), prefill_q_pos=v_pre_pos.view(n_rows, width),
-            prefill_kv_slots=v_pre_kv, prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],
-            out_idx=v_out_idx,
+            slot_mapping=v["slot_mapping"],
+            decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"],
+            decode_kv_slots=v["decode_kv_slots"], decode_key_pos=self._arange[: max(2, max(dec_pos) + 1)],
+            prefill_token_idx=v["prefill_token_idx"].view(n_rows, width),
+            prefill_q_pos=v["prefill_q_pos"].view(n_rows, width),
+            prefill_kv_slots=v["prefill_kv_slots"], prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],
+            out_idx=v["out_idx"],
         )
-        lora = LoRABatch(weight_indices=v_weight_indices if weight_indices else None)
-        fb = ForwardBatch(cos=self.rope_cos[v_pos], sin=self.rope_sin[v_pos], attn=attn, lora=lora)
-        return v_ids, fb, v_logits_idx, sampled, len(lora_slots - {0})
+        lora = LoRABatch(weight_indices=v["weight_indices"] if weight_indices else None)
+        fb = ForwardBatch(cos=self.rope_cos[v["positions"]], sin=self.rope_sin[v["positions"]], attn=attn, lora=lora)
+        return v["input_ids"], fb, v["logits_idx"], sampled, len(lora_slots - {0})
 
     @torch.inference_mode()
     def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
@@ -310,19 +316,19 @@ class Engine:
 
     # --- warm-up ------------------------------------------------------------------------------------
     def warmup(self) -> float:
-        """Compile every graph variant (no adapter / adapters) on throwaway sequences in the scratch slot."""
+        """Compile both graph variants, base model only and with adapters, on throwaway sequences that write only to
+        the scratch KV slot: decodes and prefill chunks, so every dynamic dim is traced at a size >= 2."""
         t0 = time.perf_counter()
         if self._compiled and not self._warmed_up:
             max_tokens = self.config.max_num_batched_tokens
             lengths = [1, 1, 1, min(5, max_tokens // 4), min(7, max_tokens // 3)]
-            # Graph variants: base model only, and with adapters (any mix: the slots hold zeros or registered
-            # adapters; these throwaway sequences write only to the scratch KV slot).
-            for m in sorted({0, min(3, self.config.max_loras_per_batch)}):
+            # The adapter variant is one graph for any mix of slots: slot 1 (zeros or a registered adapter) beside
+            # base-model tokens covers it.
+            for slots in ([0, 0, 0, 0, 0], [1, 0, 1, 0, 1]):
                 seqs = []
-                for i, n in enumerate(lengths):
+                for i, (n, slot) in enumerate(zip(lengths, slots)):
                     seq = Sequence(-1 - i, list(range(1, n + 1)), SamplingParams(max_new_tokens=1))
-                    seq.kv_slot = self._scratch_slot
-                    seq.lora_slot = [m, 0, min(m, 1), 0, m][i]
+                    seq.kv_slot, seq.lora_slot = self._scratch_slot, slot
                     seqs.append(seq)
                 self.step(seqs)
         self._warmed_up = True

@@ -1,53 +1,75 @@
 """Per-step inputs of the decoder layers: views into one preallocated metadata buffer.
 
 Every field is a tensor (never a Python int), so one compiled graph serves any batch: sizes that vary
-between steps are dynamic dimensions of these tensors.
+between steps are dynamic dimensions of these tensors, declared on each field with `dynamic(...)` (vLLM's
+`dynamic_arg_dims`); compile_policy marks them, and knows no field by name or position.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
+
+
+def dynamic(*dims: int):
+    """A field whose dims `dims` vary between steps. Each is >= 2 by construction (a step has a dummy token, groups
+    are padded to 2 rows), so 0/1 specialisation cannot add graphs after warm-up; every other dim is static."""
+    return field(metadata={"dynamic_dims": dims})
 
 
 @dataclass
 class AttentionMetadata:
     # Tokens of the step are laid out flat: [sequences with one token | prefill chunks | one dummy].
-    slot_mapping: torch.Tensor       # (T,) where each token's K/V goes: kv_slot * max_seq_len + position
-    decode_token_idx: torch.Tensor   # (Bd,) flat index of the single token of each "decode" sequence
-    decode_q_pos: torch.Tensor       # (Bd,) its position
-    decode_kv_slots: torch.Tensor    # (Bd,)
-    decode_key_pos: torch.Tensor     # (Sd,) 0..Sd-1: keys read by the decode group
-    prefill_token_idx: torch.Tensor  # (Bp, Lp) flat index of each chunk token, padded
-    prefill_q_pos: torch.Tensor      # (Bp, Lp) position of each chunk token (0 on padding)
-    prefill_kv_slots: torch.Tensor   # (Bp,)
-    prefill_key_pos: torch.Tensor    # (Sp,)
-    out_idx: torch.Tensor            # (T,) row of each token in cat(decode output, prefill output)
+    slot_mapping: torch.Tensor = dynamic(0)       # (T,) where each token's K/V goes: kv_slot * max_seq_len + position
+    decode_token_idx: torch.Tensor = dynamic(0)   # (Bd,) flat index of the single token of each "decode" sequence
+    decode_q_pos: torch.Tensor = dynamic(0)       # (Bd,) its position
+    decode_kv_slots: torch.Tensor = dynamic(0)    # (Bd,)
+    decode_key_pos: torch.Tensor = dynamic(0)     # (Sd,) 0..Sd-1: keys read by the decode group
+    prefill_token_idx: torch.Tensor = dynamic(0, 1)  # (Bp, Lp) flat index of each chunk token, padded
+    prefill_q_pos: torch.Tensor = dynamic(0, 1)   # (Bp, Lp) position of each chunk token (0 on padding)
+    prefill_kv_slots: torch.Tensor = dynamic(0)   # (Bp,)
+    prefill_key_pos: torch.Tensor = dynamic(0)    # (Sp,)
+    out_idx: torch.Tensor = dynamic(0)            # (T,) row of each token in cat(decode output, prefill output)
 
 
 @dataclass
 class LoRABatch:
-    # (T,) each token's index into the layers' stacked LoRA weights: device slot s at s - 1, and the zero slot
-    # (max_loras_per_batch) for base-model tokens. None when no token of the step uses an adapter.
-    weight_indices: torch.Tensor | None
+    # (T,) each token's LoRA slot, its row in the layers' stacked LoRA weights: 0 for base-model tokens (zero rows),
+    # device slots 1..max_loras_per_batch. None when no token of the step uses an adapter.
+    weight_indices: torch.Tensor | None = dynamic(0)
 
 
 @dataclass
 class ForwardBatch:
-    cos: torch.Tensor  # (T, head_dim) rotary tables gathered at each token's position
-    sin: torch.Tensor
+    cos: torch.Tensor = dynamic(0)  # (T, head_dim) rotary tables gathered at each token's position
+    sin: torch.Tensor = dynamic(0)
     attn: AttentionMetadata
     lora: LoRABatch
+    # Inside the compiled layer stack (from_flat there): the layers take the kernels that need a compiler.
+    compiled: bool = False
 
     def flat(self) -> tuple[torch.Tensor | None, ...]:
-        """Every field in a fixed order (weight_indices last), for calls that take only plain arguments."""
-        md = self.attn
-        return (self.cos, self.sin, *(getattr(md, name) for name in _ATTN_FIELDS), self.lora.weight_indices)
+        """Every tensor, in the one fixed order, for calls that take only plain arguments (the compiled stack)."""
+        return (self.cos, self.sin, *(getattr(self.attn, f.name) for f in fields(AttentionMetadata)),
+                self.lora.weight_indices)
 
     @classmethod
-    def from_flat(cls, flat: tuple[torch.Tensor | None, ...]) -> ForwardBatch:
-        attn = AttentionMetadata(*flat[2:-1])
-        return cls(cos=flat[0], sin=flat[1], attn=attn, lora=LoRABatch(flat[-1]))
+    def from_flat(cls, flat: tuple[torch.Tensor | None, ...], compiled: bool = False) -> ForwardBatch:
+        cos, sin, *attn, weight_indices = flat
+        return cls(cos, sin, AttentionMetadata(*attn), LoRABatch(weight_indices), compiled)
+
+    @staticmethod
+    def flat_has_lora(flat: tuple[torch.Tensor | None, ...]) -> bool:
+        """Whether a flat() batch carries adapters: which graph variant it runs."""
+        return flat[-1] is not None
+
+    def dynamic_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Each tensor present with its step-varying dims, as declared on its field."""
+        return [(t, dims) for t, dims in zip(self.flat(), _FLAT_DYNAMIC_DIMS) if t is not None]
 
 
-_ATTN_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
+# The declared dynamic dims of each flat() entry, in flat() order: cos and sin, attention, LoRA.
+_FLAT_DYNAMIC_DIMS = tuple(
+    f.metadata["dynamic_dims"]
+    for f in (*fields(ForwardBatch), *fields(AttentionMetadata), *fields(LoRABatch)) if "dynamic_dims" in f.metadata
+)

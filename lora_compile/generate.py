@@ -18,6 +18,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="register a PEFT adapter")
     p.add_argument("--use", metavar="NAME", help="adapter to generate with (default: the base model)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=1024, help="prompt + new tokens (at most the model's positions)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = args.model
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=str(model), max_batch_size=1, max_seq_len=1024, device=args.device,
+    engine = Engine(EngineConfig(model=str(model), max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device,
                                  dtype=args.dtype, compile=not args.no_compile))
     for name, path in adapters.items():
         engine.adapters.register(name, path)

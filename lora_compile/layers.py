@@ -64,9 +64,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LoRALinear(nn.Module):
     """A linear layer (optionally several fused ones: qkv, gate_up) plus stacked LoRA slots.
 
-    `lora_a_stack[i]` is slot i + 1's A, (c·max_rank, in), and `lora_b[i]` its B transposed (max_rank, out), scaling
-    folded in. The last stored slot is a spare that stays zero: tokens of the base model index it. Ranks below
-    max_rank are zero-padded. Everything constant is a buffer created here: nothing is rebuilt per batch.
+    `lora_a_stack[s]` is device slot s's A, (c·max_rank, in), and `lora_b[s]` its B transposed (max_rank, out),
+    scaling folded in; slot 0 is the base model: its rows stay zero. Ranks below max_rank are zero-padded.
+    Everything constant is a buffer created here: nothing is rebuilt per batch.
     """
 
     def __init__(
@@ -80,12 +80,14 @@ class LoRALinear(nn.Module):
         device: torch.device,
     ):
         super().__init__()
-        out_features = sum(output_sizes)
+        self.output_sizes = tuple(output_sizes)  # the one table every slice of this layer derives from
+        # Where each packed module's output starts: [0, q, q+kv, q+2kv] for qkv, [0, i, 2i] for gate_up.
+        offsets = torch.tensor((0, *self.output_sizes), dtype=torch.int64).cumsum(0)
+        out_features = int(offsets[-1])
         self.in_features, self.out_features = in_features, out_features
-        self.output_sizes = tuple(output_sizes)
         self.max_rank = max_rank
         self.slot_rows = len(output_sizes) * max_rank  # rows of A per slot
-        n_stored = max_loras + 1  # + the zero slot of base-model tokens
+        n_stored = max_loras + 1  # slot 0, the base model's zero rows, + device slots 1..max_loras
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -96,13 +98,10 @@ class LoRALinear(nn.Module):
             "lora_a_stack", torch.zeros(n_stored, self.slot_rows, in_features, dtype=dtype, device=device),
             persistent=False,
         )
-        offsets = [0]
-        for size in output_sizes:
-            offsets.append(offsets[-1] + size)
-        # Where each fused projection's output starts: [0, q, q+kv, q+2kv] for qkv, [0, i, 2i] for gate_up.
-        self.register_buffer("output_offset", torch.tensor(offsets, dtype=torch.int64, device=device), persistent=False)
-        # Python copy of the same offsets: slicing by them in the compiled graph keeps the shapes static.
-        self._slices = tuple(zip(offsets[:-1], offsets[1:]))
+        self.register_buffer("output_offset", offsets.to(device), persistent=False)
+        # output_offset's only reader, at construction: no step needs offsets as a tensor (docs/architecture.md).
+        bounds = offsets.tolist()
+        self._slices = tuple(zip(bounds[:-1], bounds[1:]))  # what split(), the slot loaders and LoRA paths slice by
         # B transposed, output dim innermost: the expand then vectorises over outputs and sums over the rank
         # with no horizontal reduction per output (python -m benchmarks.lora_layer).
         self.register_buffer(
@@ -112,6 +111,10 @@ class LoRALinear(nn.Module):
         # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading;
         # while a lone adapter runs merged (lora_merge), weight_packed is that adapter's merged pack.
         self.register_buffer("weight_packed", None, persistent=False)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fused output `y` cut into its packed modules' outputs (views)."""
+        return tuple(y[:, start:end] for start, end in self._slices)
 
     @torch.no_grad()
     def prepack(self) -> None:
@@ -124,7 +127,7 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def merged_weight(self, slot: int) -> torch.Tensor:
         """W + B·A for slot `slot` (scaling folded in), (out, in): the weight a token of that adapter sees."""
-        a_rows, b = self.lora_a(slot), self.lora_b[slot - 1]
+        a_rows, b = self.lora_a(slot), self.lora_b[slot]
         merged = self.weight.clone()
         for i, (start, end) in enumerate(self._slices):
             merged[start:end] += b[:, start:end].T @ a_rows[i * self.max_rank : (i + 1) * self.max_rank]
@@ -132,15 +135,16 @@ class LoRALinear(nn.Module):
 
     def lora_a(self, slot: int) -> torch.Tensor:
         """Slot `slot`'s stacked A rows, (c·max_rank, in): a view into lora_a_stack."""
-        if not 1 <= slot <= self.max_loras:  # slot 0 (index -1) would be the base model's zero slot
+        if not 1 <= slot <= self.max_loras:  # slot 0 is the base model's: its rows stay zero
             raise ValueError(f"LoRA slot must be in [1, {self.max_loras}], got {slot}")
-        return self.lora_a_stack[slot - 1]
+        return self.lora_a_stack[slot]
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch, compiled: bool = False) -> torch.Tensor:
+        """`compiled`: inside a compiled graph (ForwardBatch.compiled), where the indexed LoRA form is the cheap one."""
         base = self._base(x)
         if lora.weight_indices is None:  # base-model-only step: its own graph, with no LoRA work at all
             return base
-        delta = _lora_delta_indexed if torch.compiler.is_compiling() else _lora_delta_segmented
+        delta = _lora_delta_indexed if compiled else _lora_delta_segmented
         return base + delta(self, x, lora.weight_indices)
 
     @torch.no_grad()
@@ -150,7 +154,7 @@ class LoRALinear(nn.Module):
         parts[i] is (A (r, in), B_scaled (out_i, r)) for output slice i, or None where the adapter lacks it.
         """
         self.clear_slot(slot)
-        a_rows, b = self.lora_a(slot), self.lora_b[slot - 1]
+        a_rows, b = self.lora_a(slot), self.lora_b[slot]
         for i, part in enumerate(parts):
             if part is None:
                 continue
@@ -163,7 +167,7 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
         self.lora_a(slot).zero_()
-        self.lora_b[slot - 1].zero_()
+        self.lora_b[slot].zero_()
 
 
 def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
@@ -185,7 +189,7 @@ def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: to
     c, r = len(layer.output_sizes), layer.max_rank
     delta = x.new_zeros(x.shape[0], layer.out_features)
     for index in weight_indices.unique().tolist():
-        if index == layer.max_loras:  # the zero slot of base-model tokens
+        if index == 0:  # base-model tokens: zero rows
             continue
         rows = (weight_indices == index).nonzero().squeeze(1)
         shrink = F.linear(x[rows], layer.lora_a_stack[index]).view(-1, c, r)

@@ -10,10 +10,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .adapters import LoRAAdapter, load_adapter, resolve_adapter_path
+from .adapters import LoRAAdapter, load_adapter
 from .config import ModelConfig
 from .errors import AdapterInUseError, AdapterNotFoundError
-from .model import LORA_TARGETS, CausalLM
+from .model import CausalLM
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,6 @@ class LoRAManager:
         with self._lock:
             return [self._info(n) for n in sorted(self._paths)]
 
-    def resolve_path(self, path: str) -> Path:
-        return resolve_adapter_path(path, self.roots)
-
     # --- device slots -------------------------------------------------------------------------------
     def acquire(self, name: str | None) -> int | None:
         """Pin `name` in a device slot (loading it if needed); None when every slot is pinned by others."""
@@ -130,8 +127,8 @@ class LoRAManager:
             self._adapter_in[slot] = None
             self.slot_generation[slot] += 1
             for layer in self._model.layers:
-                for module in _lora_modules(layer):
-                    module.clear_slot(slot)
+                for projection, _ in layer.projections():
+                    projection.clear_slot(slot)
 
     def _cache_host(self, adapter: LoRAAdapter) -> None:
         self._host[adapter.name] = adapter
@@ -153,8 +150,8 @@ class LoRAManager:
         if evicted is not None:
             del self._slot_of[evicted]
         for layer, weights in zip(self._model.layers, adapter.weights):
-            for module, names in zip(_lora_modules(layer), _MODULE_PARTS):
-                module.load_slot(slot, [weights.get(n) for n in names])
+            for projection, modules in layer.projections():
+                projection.load_slot(slot, [weights.get(m) for m in modules])
         self._adapter_in[slot] = adapter.name
         self._slot_of[adapter.name] = slot
         self.slot_generation[slot] += 1
@@ -164,11 +161,3 @@ class LoRAManager:
         return AdapterInfo(name, str(self._paths[name]), meta.rank, meta.alpha, meta.target_modules,
                            self._slot_of.get(name), self._pin_count(name))
 
-
-# The fused modules of a layer, and which PEFT modules fill their output slices, in order.
-_MODULE_PARTS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-assert {n for parts in _MODULE_PARTS for n in parts} == set(LORA_TARGETS)
-
-
-def _lora_modules(layer):
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

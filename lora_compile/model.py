@@ -12,16 +12,34 @@ from .forward_batch import AttentionMetadata, ForwardBatch
 from .layers import LoRALinear, RMSNorm, apply_rotary
 from .packed_gemm import linear
 
-# Modules a LoRA adapter may target: PEFT name -> (our fused module, output slice index).
-LORA_TARGETS: dict[str, tuple[str, int]] = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
+# A decoder layer's projections, written once (vLLM's packed_modules_mapping, plus where each lives): the
+# checkpoint's (and PEFT's) modules that each one packs along its outputs, in order. Weight loading, adapter
+# parsing, the LoRA manager and the demo model all read this table.
+PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
 }
+# Modules a LoRA adapter may target (PEFT's names, in layer order) -> their path in a checkpoint's decoder layer.
+LORA_TARGETS: dict[str, str] = {
+    module: f"{path.split('.')[0]}.{module}" for path, modules in PROJECTIONS.items() for module in modules
+}
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each module of LORA_TARGETS, as the checkpoint stores it."""
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_rank: int, dtype, device) -> LoRALinear:
+    """The LoRALinear at `path` of PROJECTIONS: its modules' outputs side by side."""
+    shapes = module_shapes(cfg)
+    modules = PROJECTIONS[path]
+    sizes = tuple(shapes[m][1] for m in modules)
+    return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device)
 
 
 def attend(
@@ -70,14 +88,11 @@ def attend_decode(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """attend() for one query per sequence; returns (B, H*D).
+    """attend() for one query per sequence, for the compiler; returns (B, H*D).
 
     Compiled, both products are reductions that read K and V straight from the cache by slot inside the loop:
     nothing is gathered into a (B, Hkv, D, S) copy and no bmm is called, which halves decode attention at
-    batch 8 (python -m benchmarks.attention). Eager would materialise the broadcast products: it keeps attend()."""
-    if not torch.compiler.is_compiling():
-        return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], kv_slots, key_pos, scale,
-                      sliding_window)
+    batch 8 (python -m benchmarks.attention). Eager would materialise the broadcast products: it calls attend()."""
     batch, s = token_idx.shape[0], key_pos.shape[0]
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
@@ -99,13 +114,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim ** -0.5
         self.sliding_window = cfg.sliding_window
-        self.qkv_proj = LoRALinear(
-            cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias, max_loras, max_rank, dtype, device
-        )
-        self.o_proj = LoRALinear(cfg.q_size, (cfg.hidden_size,), cfg.o_proj_bias, max_loras, max_rank, dtype, device)
+        self.qkv_proj = _projection(cfg, "self_attn.qkv_proj", cfg.attention_bias, max_loras, max_rank, dtype, device)
+        self.o_proj = _projection(cfg, "self_attn.o_proj", cfg.o_proj_bias, max_loras, max_rank, dtype, device)
         # Allocated by the engine once it knows its capacity (allocate_kv_cache).
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
@@ -117,40 +129,41 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x, fb.lora)
+        qkv = self.qkv_proj(x, fb.lora, fb.compiled)
+        q, k, v = self.qkv_proj.split(qkv)
         # reshape, not view: on CPU the projection's output is a transposed layout (see packed_gemm.plain_linear)
-        q = qkv[:, : self.q_size].reshape(tokens, self.n_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(tokens, self.n_kv, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].reshape(tokens, self.n_kv, self.head_dim)
+        q = q.reshape(tokens, self.n_heads, self.head_dim)
+        k = k.reshape(tokens, self.n_kv, self.head_dim)
+        v = v.reshape(tokens, self.n_kv, self.head_dim)
         q = apply_rotary(q, fb.cos, fb.sin)
         k = apply_rotary(k, fb.cos, fb.sin)
         md: AttentionMetadata = fb.attn
         # Write this step's keys/values first, so each query block reads its own chunk from the cache too.
         self.k_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = k
         self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v
-        decode = attend_decode(
-            q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
-            md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window,
-        )
+        if fb.compiled:
+            decode = attend_decode(q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
+                                   md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window)
+        else:
+            decode = attend(q, self.k_cache, self.v_cache, md.decode_token_idx[:, None], md.decode_q_pos[:, None],
+                            md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window)
         prefill = attend(
             q, self.k_cache, self.v_cache, md.prefill_token_idx, md.prefill_q_pos,
             md.prefill_kv_slots, md.prefill_key_pos, self.scale, self.sliding_window,
         )
         out = torch.cat([decode, prefill], dim=0)[md.out_idx]
-        return self.o_proj(out, fb.lora)
+        return self.o_proj(out, fb.lora, fb.compiled)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
         super().__init__()
-        inter = cfg.intermediate_size
-        self.inter = inter
-        self.gate_up_proj = LoRALinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias, max_loras, max_rank, dtype, device)
-        self.down_proj = LoRALinear(inter, (cfg.hidden_size,), cfg.mlp_bias, max_loras, max_rank, dtype, device)
+        self.gate_up_proj = _projection(cfg, "mlp.gate_up_proj", cfg.mlp_bias, max_loras, max_rank, dtype, device)
+        self.down_proj = _projection(cfg, "mlp.down_proj", cfg.mlp_bias, max_loras, max_rank, dtype, device)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, fb.lora)
-        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], fb.lora)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, fb.lora, fb.compiled))
+        return self.down_proj(F.silu(gate) * up, fb.lora, fb.compiled)
 
 
 class DecoderLayer(nn.Module):
@@ -163,6 +176,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, max_loras, max_rank, dtype, device)
 
+    def projections(self) -> list[tuple[LoRALinear, tuple[str, ...]]]:
+        """Each projection with the checkpoint modules it packs (PROJECTIONS)."""
+        return [(self.get_submodule(path), modules) for path, modules in PROJECTIONS.items()]
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), fb)
         return h + self.mlp(self.post_attention_layernorm(h), fb)
@@ -172,14 +189,18 @@ class DecoderLayer(nn.Module):
 # directly, not layer(x, fb), so that no module-call machinery is traced per layer.
 @compile_policy.repeated_region
 def _decoder_layer(layer: DecoderLayer, x: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
-    return layer.forward(x, ForwardBatch.from_flat(batch))
+    return layer.forward(x, ForwardBatch.from_flat(batch, compiled=True))
 
 
 def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
-    """Every decoder layer over h. The compiled unit (compile_policy): the model is an argument, so what is
-    compiled and saved serves any instance of the same shapes (precompile)."""
-    if torch.compiler.is_compiling():
-        batch = compile_policy.unaliased(batch)
+    """Every decoder layer over h (batch: ForwardBatch.flat()). The compiled unit (compile_policy): the model is an
+    argument, so what is compiled and saved serves any instance of the same shapes (precompile)."""
+    if not torch.compiler.is_compiling():  # the model's one question; the answer travels in ForwardBatch.compiled
+        fb = ForwardBatch.from_flat(batch)
+        for layer in model.layers:
+            h = layer.forward(h, fb)
+        return h
+    batch = compile_policy.unaliased(batch)
     for layer in model.layers:
         h = _decoder_layer(layer, h, *batch)
     return h
@@ -222,28 +243,20 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, ckpt: SafetensorsCheckpoint) -> None:
-        """Copy every tensor from the checkpoint into place, fusing q/k/v and gate/up on the way."""
-        cfg = self.config
-
+        """Copy every tensor from the checkpoint into place, packing modules as PROJECTIONS says."""
         def put(dst: torch.Tensor, name: str) -> None:
             dst.copy_(ckpt.get(name, tuple(dst.shape)))
 
         put(self.embed_tokens.weight, "model.embed_tokens.weight")
         put(self.norm.weight, "model.norm.weight")
-        if not cfg.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
             put(self.lm_head, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             put(layer.input_layernorm.weight, p + "input_layernorm.weight")
             put(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-            fused = (
-                (layer.self_attn.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                (layer.self_attn.o_proj, ("self_attn.o_proj",)),
-                (layer.mlp.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj")),
-                (layer.mlp.down_proj, ("mlp.down_proj",)),
-            )
-            for module, names in fused:
-                for (start, end), name in zip(module._slices, names):
-                    put(module.weight[start:end], f"{p}{name}.weight")
-                    if module.bias is not None:
-                        put(module.bias[start:end], f"{p}{name}.bias")
+            for projection, modules in layer.projections():
+                for (start, end), module in zip(projection._slices, modules):
+                    put(projection.weight[start:end], f"{p}{LORA_TARGETS[module]}.weight")
+                    if projection.bias is not None:
+                        put(projection.bias[start:end], f"{p}{LORA_TARGETS[module]}.bias")

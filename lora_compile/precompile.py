@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -87,7 +86,7 @@ class PrecompiledStack:
                                  f"{tuple(self._width)}; this step has {h.dtype} and {tuple(h.shape[1:])} "
                                  "(would recompile)")
         batch = fb.flat()
-        variant = VARIANTS[batch[-1] is not None]
+        variant = VARIANTS[ForwardBatch.flat_has_lora(batch)]
         fn = self._fns.get(variant) or self._load_or_compile(variant, h, fb)
         try:
             return fn(self.model, h, *batch)
@@ -131,6 +130,6 @@ class PrecompiledStack:
             return None
 
 
-def default_directory() -> Path:
-    """Inside the Inductor cache directory (compile_policy.configure sets it), kept and trusted alike."""
-    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "lora-serve-stacks"
+def stacks_directory(inductor_cache_dir: Path) -> Path:
+    """Inside the Inductor cache directory, kept and trusted alike."""
+    return inductor_cache_dir / "lora-serve-stacks"

@@ -1,4 +1,4 @@
-"""tokenizer.json (Hugging Face `tokenizers`) plus the ids the engine needs: EOS and BOS."""
+"""tokenizer.json (Hugging Face `tokenizers`) plus the ids the engine needs: EOS."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ _RELEASE_GIL_CHARS = 4096
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
+    def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...] = ()):
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; the model directory needs a tokenizer.json")
@@ -22,7 +22,6 @@ class Tokenizer:
             raise CheckpointError(f"{path}: cannot be read by the tokenizers library ({e})") from e
         eos = set(eos_token_ids) | set(_generation_eos(Path(model_dir)))
         self.eos_token_ids = frozenset(eos)
-        self.bos_token_id = bos_token_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # No token covers more characters of the text than its own string has (byte-level pieces are one char
         # per byte, SentencePiece ones one per char), so N tokens cover at most N * max_token_chars characters.

@@ -24,7 +24,7 @@ def test_compiled_decode_attention_matches_bmm_form(window):
 
     expected = attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], kv_slots, key_pos,
                       head_dim ** -0.5, window)
-    torch.testing.assert_close(attend_decode(*args), expected)  # eager: the bmm form itself
+    torch.testing.assert_close(attend_decode(*args), expected)  # uncompiled: the same reductions, run eagerly
     compiled = torch.compile(attend_decode, fullgraph=True)(*args)
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
     # The inputs make the mask matter: without it the result would differ.

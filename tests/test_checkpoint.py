@@ -28,8 +28,16 @@ def _edit_tensors(d, edit):
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
 
 
-def _load(d):
-    return Engine(EngineConfig(model=str(d), compile=False, max_batch_size=2, max_seq_len=64))
+def _load(d, max_seq_len=64):
+    return Engine(EngineConfig(model=str(d), compile=False, max_batch_size=2, max_seq_len=max_seq_len))
+
+
+def test_max_seq_len_is_capped_by_the_models_positions(models):
+    """A 512-position model refuses a 700-token context at start, naming both numbers and the flag."""
+    with pytest.raises(ValueError, match=r"max_seq_len 700 exceeds the model's max_position_embeddings 512; "
+                                         r"set --max-seq-len .* to at most 512"):
+        _load(models["llama"], max_seq_len=700)
+    assert _load(models["llama"], max_seq_len=512).config.max_seq_len == 512
 
 
 @pytest.mark.parametrize("case,expected", [

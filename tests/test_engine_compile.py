@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,14 +155,17 @@ def test_long_prompt_is_chunked_while_others_decode(compiled_engines):
 
 
 def test_inductor_cache_directory_is_used(compiled_engines):
-    compiled_engines("llama")
+    engine = compiled_engines("llama")
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == INDUCTOR_CACHE
     assert any(os.scandir(INDUCTOR_CACHE))
+    # the directory configure chose is the one the saved stack goes to
+    assert engine.inductor_cache_dir == Path(INDUCTOR_CACHE)
+    assert engine.model._run_layers.directory == Path(INDUCTOR_CACHE) / "lora-serve-stacks"
 
 
 @pytest.mark.parametrize("max_loras", [1, 2])
 def test_small_slot_counts_warm_up_and_never_recompile(models, adapters, max_loras):
-    """With 1 or 2 slots every slot count m is its own static graph; all are compiled in warm-up."""
+    """With 1 or 2 slots, warm-up's two variants (base, adapters) serve every mix: no graph per slot count."""
     names = list(adapters["llama"])[:max_loras]
     engine = build_engine(models["llama"], {n: adapters["llama"][n] for n in names}, compile=True,
                           max_loras_per_batch=max_loras)

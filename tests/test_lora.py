@@ -81,14 +81,13 @@ def test_lora_layer_matches_per_token_reference_on_every_path(compiled):
     adapters = {2: [(torch.randn(8, 64), torch.randn(64, 8)), None, (torch.randn(4, 64), torch.randn(32, 4))]}
     layer.load_slot(2, adapters[2])
     x = torch.randn(5, 64)
-    zero = 2  # max_loras: the zero slot of base-model tokens
-    cases = [[0] * 5, [1, 1, 1, 0, 0], [2, 2, 2, 0, 0], [1, 2, 0, 1, 1]]  # device slot per token
+    cases = [[0] * 5, [1, 1, 1, 0, 0], [2, 2, 2, 0, 0], [1, 2, 0, 1, 1]]  # device slot per token (0: base model)
     forward = torch.compile(layer, fullgraph=True, dynamic=True) if compiled else layer
 
     def run(slots: list[int]) -> torch.Tensor:
         if not any(slots):
-            return forward(x, LoRABatch(weight_indices=None))
-        return forward(x, LoRABatch(weight_indices=torch.tensor([s - 1 if s else zero for s in slots])))
+            return forward(x, LoRABatch(weight_indices=None), compiled)
+        return forward(x, LoRABatch(weight_indices=torch.tensor(slots)), compiled)
 
     for packed in (False, True):
         if packed:
@@ -204,6 +203,11 @@ def _wrong_shape(t):
     t[key] = t[key][:, :-1].contiguous()
 
 
+def _misplace_module(t):  # q_proj's weights filed under the MLP, where the model has no q_proj
+    for k in [k for k in t if ".self_attn.q_proj." in k]:
+        t[k.replace(".self_attn.q_proj.", ".mlp.q_proj.")] = t.pop(k)
+
+
 REFUSALS = {
     "dora": (dict(config_edit=lambda c: c.update(use_dora=True)), "DoRA"),
     "embed-target": (dict(config_edit=lambda c: c.update(target_modules=["q_proj", "embed_tokens"])), "embed_tokens"),
@@ -211,6 +215,7 @@ REFUSALS = {
     "modules-to-save": (dict(config_edit=lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
     "rank-too-large": (dict(tensors_edit=_grow_rank, config_edit=lambda c: c.update(r=20)), "max_lora_rank"),
     "wrong-shape": (dict(tensors_edit=_wrong_shape), "do not fit the base model"),
+    "misplaced-module": (dict(tensors_edit=_misplace_module), "'q_proj'.* is not supported"),
     "pickle": (dict(after=_pickle_only), "pickle"),
     "corrupt": (dict(after=_corrupt), "safetensors"),
     "truncated": (dict(after=_truncate), "safetensors"),
@@ -233,6 +238,14 @@ def test_bad_adapters_are_refused_and_leave_engine_untouched(models, adapters, t
     assert "bad" not in engine.adapters
     assert engine.adapters.list() == before_list
     assert engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, ignore_eos=True), adapters=["qv8"]) == before_out
+
+
+def test_regex_target_modules_are_matched_where_the_modules_live(models, adapters, tmp_path):
+    """A PEFT regex is matched against each module's path in the model (model.PROJECTIONS): one naming only the
+    attention modules selects no embedding or head, so the adapter is accepted."""
+    engine = build_engine(models["llama"], compile=False)
+    qv = _variant(adapters["llama"]["qv8"], tmp_path / "regex", config_edit=lambda c: c.update(target_modules=".*self_attn.*"))
+    assert engine.adapters.register("regex", str(qv)).target_modules == ("q_proj", "v_proj")
 
 
 def test_adapter_roots_confine_paths(models, adapters, tmp_path):

@@ -18,7 +18,7 @@ MULTIBYTE = "naïve café — 世界 🎉 ok"
 @functools.cache
 def demo_tokenizer() -> Tokenizer:
     model, _ = demo_paths()
-    return Tokenizer(model, (1,), 0)
+    return Tokenizer(model, (1,))
 
 
 def stream(tok, prompt_ids, ids) -> list[str]:
