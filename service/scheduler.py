@@ -42,7 +42,7 @@ class SchedulerConfig:
     max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
     retry_after_s: float = 1.0  # RetryInfo sent with RESOURCE_EXHAUSTED
     max_streams: int | None = None  # open Generate streams (None: max_batch_size + max_queue)
-    # A finished request's output waits this long for a client that is not reading; then its stream is cancelled.
+    # A finished request's output waits this long for a client that is not reading; then RESOURCE_EXHAUSTED.
     stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
