@@ -100,8 +100,9 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest request message; larger ones get RESOURCE_EXHAUSTED (default: %(default)s)")
     g.add_argument("--max-streams-per-connection", type=int, default=d.max_streams_per_connection,
-                   help="concurrent streams one client connection may open; more wait on the client's side "
-                        "(HTTP/2 max concurrent streams; default: %(default)s)")
+                   help="concurrent streams one client connection may open (HTTP/2 max concurrent streams: more "
+                        "wait on the client's side, or get UNAVAILABLE at connection start); default: no "
+                        "per-connection cap, --max-concurrent-streams applies")
     g.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
                    help="seconds a finished stream's output waits for a client that does not read before the "
                         "stream is cancelled; generation itself never waits for a reader (default: %(default)s)")

@@ -16,8 +16,9 @@ class RequestLimits:
     max_new_tokens: int | None = None          # None: the rest of the context (max_seq_len - prompt)
     max_concurrent_streams: int | None = None  # open Generate streams; None: max_batch_size + max_queue
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest request message (grpc.max_receive_message_length)
-    # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: a client's further streams on one connection wait on its side
-    max_streams_per_connection: int = 100
+    # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per client connection; None: no per-connection cap (the server-wide
+    # max_concurrent_streams answers with RESOURCE_EXHAUSTED + RetryInfo, which grpc's transport refusal cannot)
+    max_streams_per_connection: int | None = None
     stall_timeout_s: float = 60.0              # a finished stream's output waits this long for its reader
 
     def __post_init__(self) -> None:
@@ -27,7 +28,7 @@ class RequestLimits:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        if self.max_streams_per_connection < 1:
+        if self.max_streams_per_connection is not None and self.max_streams_per_connection < 1:
             raise ValueError(f"max_streams_per_connection must be >= 1, got {self.max_streams_per_connection}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")

@@ -65,7 +65,8 @@ class LoraServer:
                           AuthInterceptor(config.security), ErrorInterceptor(lambda: self.state)],
             options=[("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
                      ("grpc.max_receive_message_length", config.limits.max_message_bytes),
-                     ("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)],
+                     *([("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)]
+                       if config.limits.max_streams_per_connection else [])],
         )
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, self.runner, config.limits),
                                                  self._server)

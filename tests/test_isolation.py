@@ -310,3 +310,31 @@ def test_huge_text_prompts_are_refused_before_tokenizing():
     finally:
         server.proc.terminate()
         server.proc.wait(30)
+
+
+def test_streams_per_connection_cap_is_the_http2_setting():
+    """--max-streams-per-connection caps one connection's concurrent streams (grpc's HTTP/2 setting): with a cap
+    of 2, three never-read streams on one connection have at most 2 handlers open; a second connection is served."""
+    server = ServerThread(shared_engine(), ServerConfig(port=0, limits=RequestLimits(max_streams_per_connection=2,
+                                                                                     stall_timeout_s=3.0)))
+    runner = server.server.runner
+    try:
+        channel = grpc.insecure_channel(server.target, options=SMALL_WINDOW)
+        grpc.channel_ready_future(channel).result(30)  # the client has the server's SETTINGS before it opens streams
+        stub = pb_grpc.GenerationStub(channel)
+        calls = []
+        for i in range(3):
+            req = pb.GenerateRequest(text=f"Story number {i}:")
+            req.stopping.max_new_tokens, req.stopping.ignore_eos, req.response.top_logprobs = 48, True, 20
+            calls.append(stub.Generate(req))
+        wait_for(lambda: runner.num_open_streams == 2, what="two streams to open")
+        with server.client() as other:
+            assert other.complete("Hello there", max_new_tokens=4, ignore_eos=True).usage.completion_tokens == 4
+        assert runner.num_open_streams <= 2
+        for call in calls:
+            call.cancel()
+        channel.close()
+        wait_for(lambda: runner.num_open_streams == 0, timeout=30, what="the streams to close")
+        server.wait_idle()
+    finally:
+        server.stop()
