@@ -27,7 +27,7 @@ RUN pip install "torch==2.13.0" --index-url "${TORCH_INDEX_URL}"
 
 WORKDIR /src
 COPY . .
-RUN pip install . \
+RUN pip install ".[server]" \
     && useradd --create-home --uid 1000 lora \
     && mkdir -p /cache /models /adapters \
     && chown lora /cache

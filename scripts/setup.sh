@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the project with the given extras; safe to re-run.
+# Create .venv (if missing) and install the project with the given extras (default: server, what
+# scripts/serve.sh needs; "test" includes it); safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-}"
+extras="${1:-server}"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi

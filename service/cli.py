@@ -109,7 +109,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_security_flags(p: argparse.ArgumentParser) -> None:
-    from .security import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 
     g = p.add_argument_group("security (see docs/operations.md)")
     g.add_argument("--api-token", default=None,
@@ -127,7 +127,8 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
 def _server_config(args: argparse.Namespace):
     """ServerConfig from the flags (ValueError for a bad combination)."""
     from .limits import RequestLimits
-    from .security import ADMIN_TOKEN_ENV, API_TOKEN_ENV, SecurityConfig, TlsConfig
+    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+    from .security import SecurityConfig, TlsConfig
     from .server import ServerConfig
 
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -149,6 +150,12 @@ def _server_config(args: argparse.Namespace):
 
 def serve_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        import torch  # noqa: F401 - the server's extra; the base install is the client only
+    except ImportError:
+        print('lora-serve: the server needs its extra: pip install "lora-serve[server]" (this install has the '
+              "client only: the SDK and lora-client)", file=sys.stderr)
+        return 2
     if argv[:1] == ["trace-summary"]:  # the one subcommand; plain `lora-serve [flags]` serves
         from .trace_summary import main as trace_summary_main
         return trace_summary_main(argv[1:])
@@ -265,7 +272,7 @@ def client_main(argv: list[str] | None = None) -> int:
     from .client import LoraServeClient, LoraServeError
 
     from .client_channel import ClientTLS
-    from .security import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 
     parser = client_parser()
     args = parser.parse_args(argv)

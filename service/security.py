@@ -17,12 +17,11 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
+from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV  # noqa: F401 - the server reads the same variables
 from .errors import FieldViolation, InvalidArgument
 
 API_PREFIX = "/loraserve.v1."
 ADMIN_METHODS = frozenset({"/loraserve.v1.Adapters/LoadAdapter", "/loraserve.v1.Adapters/UnloadAdapter"})
-ADMIN_TOKEN_ENV = "LORA_SERVE_ADMIN_TOKEN"
-API_TOKEN_ENV = "LORA_SERVE_API_TOKEN"
 
 
 @dataclass(frozen=True)
