@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import dataclasses
 import logging
 import os
@@ -150,9 +151,7 @@ def _server_config(args: argparse.Namespace):
 
 def serve_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        import torch  # noqa: F401 - the server's extra; the base install is the client only
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:  # the server's extra; the base install is the client only
         print('lora-serve: the server needs its extra: pip install "lora-serve[server]" (this install has the '
               "client only: the SDK and lora-client)", file=sys.stderr)
         return 2

@@ -17,6 +17,24 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the service may know of the model and the engine's limits (the runner fills it)."""
+
+    model: str
+    architecture: str
+    vocab_size: int          # ids the model and the tokenizer both know
+    max_seq_len: int
+    max_batch_size: int
+    max_loras_per_batch: int
+    max_lora_rank: int
+    dtype: str
+    device: str
+    compiled: bool
+    eos_token_ids: tuple[int, ...]
+    max_token_chars: int     # the tokenizer's longest token, in characters (bounds a text prompt's length)
+
+
 @dataclass
 class RequestOutput:
     """What one engine step added to one request; the last one has finish_reason set."""

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from lora_compile import Engine, Sequence
 from lora_compile.errors import AdapterError
+from lora_compile.lora_manager import AdapterInfo
 
 from . import engine_thread
 from .errors import EngineFailure, FailedPrecondition, QueueFull, StreamStalled, TooManyStreams, Unavailable
 from .output import OutputProcessor
-from .request import GenerationRequest, RequestOutput
+from .request import GenerationRequest, ModelInfo, RequestOutput
 from .tracing import adapter_on_device
 
 if TYPE_CHECKING:
@@ -182,6 +183,50 @@ class EngineRunner:
     async def run_in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` between steps (e.g. warm-up, unloading an adapter), never during one."""
         return await engine_thread.run(fn, *args)
+
+    # --- the service's door to the engine: nothing else in service/ touches the engine object ---------
+    def model_info(self) -> ModelInfo:
+        engine, cfg, tok = self.engine, self.engine.config, self.engine.tokenizer
+        return ModelInfo(
+            model=engine.model_name, architecture=engine.model_config.architecture,
+            vocab_size=min(engine.model_config.vocab_size, tok.vocab_size), max_seq_len=cfg.max_seq_len,
+            max_batch_size=cfg.max_batch_size, max_loras_per_batch=cfg.max_loras_per_batch,
+            max_lora_rank=cfg.max_lora_rank, dtype=str(engine.dtype).removeprefix("torch."),
+            device=str(engine.device), compiled=cfg.compile, eos_token_ids=tuple(sorted(tok.eos_token_ids)),
+            max_token_chars=tok.max_token_chars)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize (thread-safe: the tokenizer is not torch; long texts release the GIL)."""
+        return self.engine.tokenizer.encode(text, add_special_tokens)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self.engine.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self.engine.adapters
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.engine.adapters.list()
+
+    @property
+    def adapter_roots(self) -> tuple[str, ...]:
+        return self.engine.adapters.roots
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        # Between steps, in the engine thread (as vLLM's workers load adapters): torch work on any other thread
+        # would slow every later step (engine_thread.py). Streams pause while the files are read.
+        return await engine_thread.run(self.engine.adapters.register, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        # Between steps: unloading clears the adapter's device slot, which a step must not see half-done.
+        await engine_thread.run(self.engine.adapters.unregister, name)
+
+    async def warmup(self) -> float:
+        """Compile every graph variant in the engine thread; the seconds it took."""
+        if self.engine.thread_id != engine_thread.ident():
+            log.warning("the engine was built outside the engine thread: on few cores its steps may run ~2x "
+                        "slower; build it with service.engine_thread.call(Engine, config)")
+        return await engine_thread.run(self.engine.warmup)
 
     # --- requests -----------------------------------------------------------------------------------
     def check_capacity(self) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV  # noqa: F401 - the server reads the same variables
 from .errors import FieldViolation, InvalidArgument
 
 API_PREFIX = "/loraserve.v1."

@@ -16,7 +16,6 @@ from grpc_reflection.v1alpha import reflection
 
 from lora_compile import Engine
 
-from . import engine_thread
 from ._proto import pb, pb_grpc
 from .interceptors import ErrorInterceptor, ServingState
 from .limits import RequestLimits
@@ -51,7 +50,6 @@ class LoraServer:
     """start() → warmup() → (serving) → drain() → stopped. Health is NOT_SERVING except while serving."""
 
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig(), telemetry: Telemetry | None = None):
-        self.engine = engine
         self.config = config
         self.telemetry = telemetry  # None: tracing off (see tracing.py)
         self.state = ServingState.WARMING_UP
@@ -68,9 +66,9 @@ class LoraServer:
                      *([("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)]
                        if config.limits.max_streams_per_connection else [])],
         )
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, self.runner, config.limits),
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.runner, config.limits),
                                                  self._server)
-        pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(engine, self.runner), self._server)
+        pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(self.runner), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
@@ -94,10 +92,7 @@ class LoraServer:
     async def warmup(self) -> float:
         """Compile every graph variant (in the engine thread), then report SERVING."""
         t0 = time.perf_counter()
-        if self.engine.thread_id != engine_thread.ident():
-            log.warning("the engine was built outside the engine thread: on few cores its steps may run ~2x "
-                        "slower; build it with service.engine_thread.call(Engine, config)")
-        await self.runner.run_in_engine_thread(self.engine.warmup)
+        await self.runner.warmup()
         # What start-up made (modules, compiled graphs, protobuf descriptors) lives as long as the process:
         # frozen, it is out of the collector's reach, so a later full collection (a stall of every stream,
         # as long as the one timed here) walks only what serving allocates.
@@ -148,8 +143,8 @@ async def serve(engine: Engine, config: ServerConfig, on_ready: Callable[[LoraSe
     if config.security.management_is_open() and config.host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
         log.warning("adapter management (LoadAdapter/UnloadAdapter) is open to anyone who can reach %s; "
                     "set --admin-token or --disable-adapter-management", server.address)
-    log.info("listening on %s; warming up%s...", server.address,
-             " (compiling the model's graphs; a cold start can take minutes)" if engine.config.compile else "")
+    compiling = " (compiling the model's graphs; a cold start can take minutes)"
+    log.info("listening on %s; warming up%s...", server.address, compiling if server.runner.model_info().compiled else "")
     try:
         seconds = await server.warmup()
     except BaseException:

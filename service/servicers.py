@@ -8,8 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from lora_compile import Engine
-
 from . import tracing
 from ._proto import pb, pb_grpc
 from .heap import LARGE_REQUEST_BYTES, HeapTrimmer
@@ -31,23 +29,21 @@ _MAX_PATH_CHARS = 4096
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, runner: EngineRunner, limits: RequestLimits = RequestLimits()):
-        self._engine = engine
+    def __init__(self, runner: EngineRunner, limits: RequestLimits = RequestLimits()):
         self._runner = runner
-        tokenizer_vocab = engine.tokenizer.vocab_size
-        self._limits = Limits(vocab_size=min(engine.model_config.vocab_size, tokenizer_vocab),
-                              max_seq_len=engine.config.max_seq_len, max_prompt_tokens=limits.max_prompt_tokens,
-                              max_new_tokens=limits.max_new_tokens)
+        self._model = info = runner.model_info()
+        self._limits = Limits(vocab_size=info.vocab_size, max_seq_len=info.max_seq_len,
+                              max_prompt_tokens=limits.max_prompt_tokens, max_new_tokens=limits.max_new_tokens)
         # A text longer than this cannot fit in a prompt whatever it says: refused before it is tokenized.
-        self._max_prompt = min(engine.config.max_seq_len - 1, limits.max_prompt_tokens or engine.config.max_seq_len)
-        self._max_text_chars = self._max_prompt * engine.tokenizer.max_token_chars
+        self._max_prompt = min(info.max_seq_len - 1, limits.max_prompt_tokens or info.max_seq_len)
+        self._max_text_chars = self._max_prompt * info.max_token_chars
         # One thread: a burst of long texts queues there instead of taking every core from the engine thread.
         self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._heap = HeapTrimmer()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         # Tracing on: the request span, under the interceptor's server span (it ends both with the status).
-        trace = tracing.start_request(request, self._engine) if self._runner.telemetry is not None else None
+        trace = tracing.start_request(request, self._runner) if self._runner.telemetry is not None else None
         self._runner.check_capacity()  # RESOURCE_EXHAUSTED / UNAVAILABLE before any work
         if len(request.text) + 4 * len(request.token_ids.ids) >= LARGE_REQUEST_BYTES:
             self._heap.after_large_request()
@@ -55,7 +51,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.WhichOneof("input") == "text":
             prompt_ids = await self._encode(request.text)
         req = validate_generate(request, prompt_ids, self._limits)
-        if req.adapter is not None and req.adapter not in self._engine.adapters:
+        if req.adapter is not None and not self._runner.has_adapter(req.adapter):
             raise NotFound("adapter", req.adapter)
         state = self._runner.add_request(req, trace)
         # Cancellation, deadline or a closed stream: the runner drops the request within one step.
@@ -77,17 +73,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if len(request.text) >= LARGE_REQUEST_BYTES:
             self._heap.after_large_request()
         ids = await self._encode(request.text, add_special)
-        tok = self._engine.tokenizer
-        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
+        return pb.TokenizeResponse(token_ids=ids, tokens=self._runner.token_strings(ids))
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
-        engine, cfg, mc = self._engine, self._engine.config, self._engine.model_config
+        m = self._model
         return pb.ModelInfoResponse(
-            model=engine.model_name, architecture=mc.architecture, vocab_size=self._limits.vocab_size,
-            max_seq_len=cfg.max_seq_len, max_batch_size=cfg.max_batch_size,
-            max_loras_per_batch=cfg.max_loras_per_batch, max_lora_rank=cfg.max_lora_rank,
-            dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device), compiled=cfg.compile,
-            eos_token_ids=sorted(engine.tokenizer.eos_token_ids), max_queue=self._runner.config.max_queue,
+            model=m.model, architecture=m.architecture, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
+            max_batch_size=m.max_batch_size, max_loras_per_batch=m.max_loras_per_batch,
+            max_lora_rank=m.max_lora_rank, dtype=m.dtype, device=m.device, compiled=m.compiled,
+            eos_token_ids=list(m.eos_token_ids), max_queue=self._runner.config.max_queue,
         )
 
     async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -95,7 +89,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise InvalidArgument([FieldViolation("text", (
                 f"the text has {len(text)} characters; a prompt of at most {self._max_prompt} tokens holds at "
                 f"most {self._max_text_chars} characters with this model's tokenizer (--max-prompt-tokens)"))])
-        encode = self._engine.tokenizer.encode
+        encode = self._runner.encode
         if len(text) <= _TOKENIZE_IN_THREAD_CHARS:
             return encode(text, add_special_tokens)
         if self._tokenizer_pool is None:
@@ -104,12 +98,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 class AdaptersServicer(pb_grpc.AdaptersServicer):
-    def __init__(self, engine: Engine, runner: EngineRunner):
-        self._engine = engine
+    def __init__(self, runner: EngineRunner):
         self._runner = runner
 
     async def ListAdapters(self, request, context) -> pb.ListAdaptersResponse:
-        return pb.ListAdaptersResponse(adapters=[self._info(a) for a in self._engine.adapters.list()])
+        return pb.ListAdaptersResponse(adapters=[self._info(a) for a in self._runner.list_adapters()])
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
         bad = [FieldViolation(f, "must not be empty") for f in ("name", "path") if not getattr(request, f)]
@@ -118,14 +111,12 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
                 if len(getattr(request, f)) > n]
         if bad:
             raise InvalidArgument(bad)
-        check_adapter_path(request.path, self._engine.adapters.roots)  # a precise message for escapes
+        check_adapter_path(request.path, self._runner.adapter_roots)  # a precise message for escapes
         if self._runner.adapter_users(request.name):
             raise FailedPrecondition(f"adapter {request.name!r} is in use by in-flight requests; "
                                      "it cannot be replaced now")
-        # In the engine thread, between steps (as vLLM's workers load adapters): torch work on any other thread
-        # would slow every later step (engine_thread.py). Streams pause while the files are read.
         try:
-            info = await self._runner.run_in_engine_thread(self._engine.adapters.register, request.name, request.path)
+            info = await self._runner.load_adapter(request.name, request.path)
         except OSError as e:  # e.g. a name too long for the filesystem, or no permission to read
             raise FailedPrecondition(f"cannot read adapter directory {request.path!r}: {e.strerror or e}") from e
         log.info("loaded adapter %s from %s (rank %d)", info.name, info.path, info.rank)
@@ -137,13 +128,12 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
             raise InvalidArgument([FieldViolation("name", "must not be empty")])
         if len(name) > MAX_NAME_CHARS:
             raise InvalidArgument([FieldViolation("name", f"at most {MAX_NAME_CHARS} characters")])
-        if name not in self._engine.adapters:
+        if not self._runner.has_adapter(name):
             raise NotFound("adapter", name)
         users = self._runner.adapter_users(name)
         if users:
             raise FailedPrecondition(f"adapter {name!r} is in use by {users} in-flight requests")
-        # Between steps: unloading clears the adapter's device slot, which a step must not see half-done.
-        await self._runner.run_in_engine_thread(self._engine.adapters.unregister, name)
+        await self._runner.unload_adapter(name)
         log.info("unloaded adapter %s", name)
         return pb.UnloadAdapterResponse()
 

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from lora_compile.engine import StepOutput
 
     from .request import GenerationRequest, RequestOutput
-    from .scheduler import RequestState
+    from .scheduler import EngineRunner, RequestState
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -386,14 +386,14 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
 
 # --- one Generate request ----------------------------------------------------------------------------
 @_never_raise
-def start_request(request: Any, engine: Engine) -> RequestTrace | None:
+def start_request(request: Any, runner: EngineRunner) -> RequestTrace | None:
     """The servicer's hook: the request span under the current call's server span (None outside a call)."""
     call = _CALL.get()
     if call is None:
         return None
     adapter = request.adapter
-    known = not adapter or adapter in engine.adapters  # unknown names stay out of span names and metrics
-    call.request = RequestTrace(call.telemetry, call.span, adapter or engine.model_name, known, request)
+    known = not adapter or runner.has_adapter(adapter)  # unknown names stay out of span names and metrics
+    call.request = RequestTrace(call.telemetry, call.span, adapter or runner.model_info().model, known, request)
     return call.request
 
 
