@@ -6,6 +6,7 @@ request gives the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,23 @@ if TYPE_CHECKING:
 
 
 NON_FINITE = -1  # the token sample() gives a row whose logits hold NaN or infinity
+
+# What each sampling value may be, stated once: SamplingParams raises on the first broken rule, the service's
+# validation reports every one with its field.
+SAMPLING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "top_k": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "repetition_penalty": (lambda v: v > 0, "must be > 0 (1 = off)"),
+}
+
+
+def sampling_problem(name: str, value: float) -> str | None:
+    """What is wrong with this value of SAMPLING_RULES[name], or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    accepts, rule = SAMPLING_RULES[name]
+    return None if accepts(value) else f"{rule}, got {value:g}"
 
 
 @dataclass(frozen=True)
@@ -32,20 +50,9 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        def finite(name: str) -> float:
-            value = getattr(self, name)
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value}")
-            return value
-
-        if finite("temperature") < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < finite("top_p") <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if finite("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in SAMPLING_RULES:
+            if (problem := sampling_problem(name, getattr(self, name))) is not None:
+                raise ValueError(f"{name} {problem}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.top_logprobs < 0:

@@ -25,6 +25,7 @@ def serve_parser() -> argparse.ArgumentParser:
     from lora_compile import EngineConfig
     from lora_compile.config import MERGE_MODES
 
+    from .limits import RequestLimits
     from .server import ServerConfig
 
     engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)
@@ -69,7 +70,7 @@ def serve_parser() -> argparse.ArgumentParser:
                         "fits in half the available memory (default: %(default)s; the bare flag means on)")
     p.add_argument("--merge-after-steps", type=int, default=engine_defaults["merge_after_steps"],
                    help="steps on one adapter alone before it is merged (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=server_defaults.max_queue,
+    p.add_argument("--max-queue", type=int, default=RequestLimits().max_queue,
                    help="requests that may wait beyond a full batch before RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
     p.add_argument("--grace-period", type=float, default=server_defaults.grace_period_s,
@@ -127,8 +128,8 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
 
 def _server_config(args: argparse.Namespace):
     """ServerConfig from the flags (ValueError for a bad combination)."""
-    from .limits import RequestLimits
     from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+    from .limits import RequestLimits
     from .security import SecurityConfig, TlsConfig
     from .server import ServerConfig
 
@@ -137,7 +138,7 @@ def _server_config(args: argparse.Namespace):
     if args.tls_client_ca and not args.tls_cert:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
     limits = RequestLimits(
-        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_limit,
+        max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_limit,
         max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
         max_streams_per_connection=args.max_streams_per_connection, stall_timeout_s=args.stall_timeout)
     security = SecurityConfig(
@@ -145,7 +146,7 @@ def _server_config(args: argparse.Namespace):
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
         disable_adapter_management=args.disable_adapter_management,
         tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
-    return ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue, grace_period_s=args.grace_period,
+    return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
                         limits=limits, security=security)
 
 

@@ -12,6 +12,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # a 1 MiB request holds far more prompt tha
 
 @dataclass(frozen=True)
 class RequestLimits:
+    """The one object of operator limits: the CLI fills it, the runner and the servicers read it."""
+
+    max_queue: int = 256                       # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
+    retry_after_s: float = 1.0                 # RetryInfo sent with RESOURCE_EXHAUSTED
     max_prompt_tokens: int | None = None       # None: max_seq_len - 1
     max_new_tokens: int | None = None          # None: the rest of the context (max_seq_len - prompt)
     max_concurrent_streams: int | None = None  # open Generate streams; None: max_batch_size + max_queue
@@ -22,6 +26,10 @@ class RequestLimits:
     stall_timeout_s: float = 60.0              # a finished stream's output waits this long for its reader
 
     def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.retry_after_s <= 0:
+            raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s}")
         for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent_streams"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -25,6 +25,7 @@ from lora_compile.lora_manager import AdapterInfo
 
 from . import engine_thread
 from .errors import EngineFailure, FailedPrecondition, QueueFull, StreamStalled, TooManyStreams, Unavailable
+from .limits import RequestLimits
 from .output import OutputProcessor
 from .request import GenerationRequest, ModelInfo, RequestOutput
 from .tracing import adapter_on_device
@@ -36,23 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
-    retry_after_s: float = 1.0  # RetryInfo sent with RESOURCE_EXHAUSTED
-    max_streams: int | None = None  # open Generate streams (None: max_batch_size + max_queue)
-    # A finished request's output waits this long for a client that is not reading; then RESOURCE_EXHAUSTED.
-    stall_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.max_streams is not None and self.max_streams < 1:
-            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
-        if self.stall_timeout_s <= 0:
-            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 
 
 @dataclass(eq=False)
@@ -132,10 +116,10 @@ class _IterationResult:
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(),
+    def __init__(self, engine: Engine, limits: RequestLimits = RequestLimits(),
                  telemetry: Telemetry | None = None):
         self.engine = engine
-        self.config = config
+        self.limits = limits
         self.telemetry = telemetry  # None: tracing off (the only check on the hot path)
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []
@@ -146,7 +130,7 @@ class EngineRunner:
         self._accepting = True
         self._idle: asyncio.Event | None = None
         self._open_streams = 0  # add_request .. abort: handlers still streaming, finished or not
-        self.max_streams = config.max_streams or engine.config.max_batch_size + config.max_queue
+        self.max_streams = limits.max_concurrent_streams or engine.config.max_batch_size + limits.max_queue
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -235,17 +219,17 @@ class EngineRunner:
             raise Unavailable("server is draining (shutting down); retry on another replica")
         # Count against batch + queue, not the queue alone: a burst on an idle server is admitted at once.
         in_flight = len(self._waiting) + len(self._running)
-        if in_flight >= self.engine.config.max_batch_size + self.config.max_queue:
-            raise QueueFull(max(0, in_flight - self.engine.config.max_batch_size), self.config.retry_after_s)
+        if in_flight >= self.engine.config.max_batch_size + self.limits.max_queue:
+            raise QueueFull(max(0, in_flight - self.engine.config.max_batch_size), self.limits.retry_after_s)
         if self._open_streams >= self.max_streams:  # includes finished streams still flushing to slow readers
-            raise TooManyStreams(self.max_streams, self.config.retry_after_s)
+            raise TooManyStreams(self.max_streams, self.limits.retry_after_s)
 
     def add_request(self, request: GenerationRequest, trace: RequestTrace | None = None) -> RequestState:
         self.check_capacity()
         seq = Sequence(seq_id=next(self._seq_ids), prompt_ids=list(request.prompt_ids),
                        sampling=request.sampling, adapter=request.adapter)
         state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop),
-                             keep_finished_s=self.config.stall_timeout_s, trace=trace)
+                             keep_finished_s=self.limits.stall_timeout_s, trace=trace)
         if trace is not None:
             trace.queued(request)
         self._open_streams += 1

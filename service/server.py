@@ -19,7 +19,7 @@ from lora_compile import Engine
 from ._proto import pb, pb_grpc
 from .interceptors import ErrorInterceptor, ServingState
 from .limits import RequestLimits
-from .scheduler import EngineRunner, SchedulerConfig
+from .scheduler import EngineRunner
 from .security import AuthInterceptor, SecurityConfig
 from .servicers import AdaptersServicer, GenerationServicer
 from .tracing import Telemetry, TracingInterceptor
@@ -33,17 +33,9 @@ SERVICE_NAMES = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values
 class ServerConfig:
     host: str = "127.0.0.1"     # "0.0.0.0" / "[::]" to accept remote clients (e.g. in a container)
     port: int = 50051           # 0: any free port (see LoraServer.port)
-    max_queue: int = 256        # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
-    retry_after_s: float = 1.0  # RetryInfo.retry_delay with RESOURCE_EXHAUSTED
     grace_period_s: float = 30.0  # drain: how long in-flight streams may take to finish
-    limits: RequestLimits = RequestLimits()      # prompt / new tokens / streams / message size / slow readers
+    limits: RequestLimits = RequestLimits()      # queue, prompt / new tokens, streams, message size, slow readers
     security: SecurityConfig = SecurityConfig()  # tokens, adapter management, TLS
-
-    @property
-    def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(max_queue=self.max_queue, retry_after_s=self.retry_after_s,
-                               max_streams=self.limits.max_concurrent_streams,
-                               stall_timeout_s=self.limits.stall_timeout_s)
 
 
 class LoraServer:
@@ -53,7 +45,7 @@ class LoraServer:
         self.config = config
         self.telemetry = telemetry  # None: tracing off (see tracing.py)
         self.state = ServingState.WARMING_UP
-        self.runner = EngineRunner(engine, config.scheduler, telemetry)
+        self.runner = EngineRunner(engine, config.limits, telemetry)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._stopped = False

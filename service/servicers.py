@@ -16,7 +16,7 @@ from .limits import RequestLimits
 from .request import RequestOutput
 from .scheduler import EngineRunner
 from .security import check_adapter_path
-from .validation import MAX_NAME_CHARS, Limits, validate_generate
+from .validation import MAX_NAME_CHARS, validate_generate
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, runner: EngineRunner, limits: RequestLimits = RequestLimits()):
         self._runner = runner
         self._model = info = runner.model_info()
-        self._limits = Limits(vocab_size=info.vocab_size, max_seq_len=info.max_seq_len,
-                              max_prompt_tokens=limits.max_prompt_tokens, max_new_tokens=limits.max_new_tokens)
+        self._limits = limits
         # A text longer than this cannot fit in a prompt whatever it says: refused before it is tokenized.
         self._max_prompt = min(info.max_seq_len - 1, limits.max_prompt_tokens or info.max_seq_len)
         self._max_text_chars = self._max_prompt * info.max_token_chars
@@ -50,7 +49,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         prompt_ids = None
         if request.WhichOneof("input") == "text":
             prompt_ids = await self._encode(request.text)
-        req = validate_generate(request, prompt_ids, self._limits)
+        req = validate_generate(request, prompt_ids, self._limits, self._model)
         if req.adapter is not None and not self._runner.has_adapter(req.adapter):
             raise NotFound("adapter", req.adapter)
         state = self._runner.add_request(req, trace)
@@ -81,7 +80,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             model=m.model, architecture=m.architecture, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
             max_batch_size=m.max_batch_size, max_loras_per_batch=m.max_loras_per_batch,
             max_lora_rank=m.max_lora_rank, dtype=m.dtype, device=m.device, compiled=m.compiled,
-            eos_token_ids=list(m.eos_token_ids), max_queue=self._runner.config.max_queue,
+            eos_token_ids=list(m.eos_token_ids), max_queue=self._runner.limits.max_queue,
         )
 
     async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

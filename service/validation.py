@@ -5,33 +5,26 @@ inside a step. Unknown adapters are the servicer's business (NOT_FOUND, not INVA
 """
 from __future__ import annotations
 
-import math
 import uuid
-from dataclasses import dataclass
 
 from lora_compile import SamplingParams
+from lora_compile.sampling import SAMPLING_RULES, sampling_problem
 
 from ._proto import pb
 from .errors import FieldViolation, InvalidArgument
-from .request import GenerationRequest
+from .limits import RequestLimits
+from .request import GenerationRequest, ModelInfo
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_CHARS = 256  # per stop string: longer ones would hold back that much text
 MAX_NAME_CHARS = 256  # request_id (echoed in every response) and adapter (echoed in NOT_FOUND)
 MAX_REPORTED_BAD_IDS = 8  # per repeated field: enough to fix the request, small enough for a status
+MAX_TOP_LOGPROBS = 20
 
 
-@dataclass(frozen=True)
-class Limits:
-    vocab_size: int       # token ids must be below this
-    max_seq_len: int      # prompt + new tokens
-    max_top_logprobs: int = 20
-    max_prompt_tokens: int | None = None  # operator limit (--max-prompt-tokens); None: max_seq_len - 1
-    max_new_tokens: int | None = None     # operator limit (--max-new-tokens-limit); None: the rest of the context
-
-
-def validate_generate(request: pb.GenerateRequest, prompt_ids: list[int] | None, limits: Limits) -> GenerationRequest:
+def validate_generate(request: pb.GenerateRequest, prompt_ids: list[int] | None, limits: RequestLimits,
+                      model: ModelInfo) -> GenerationRequest:
     """`prompt_ids`: the tokenized text (the caller tokenizes), or None to take request.token_ids."""
     bad: list[FieldViolation] = []
     sampling = _sampling_fields(request.sampling, bad)
@@ -41,7 +34,7 @@ def validate_generate(request: pb.GenerateRequest, prompt_ids: list[int] | None,
             bad.append(FieldViolation(name, f"at most {MAX_NAME_CHARS} characters, got {len(getattr(request, name))}"))
 
     input_field = request.WhichOneof("input")
-    max_prompt = min(limits.max_seq_len - 1, limits.max_prompt_tokens or limits.max_seq_len)
+    max_prompt = min(model.max_seq_len - 1, limits.max_prompt_tokens or model.max_seq_len)
     if input_field is None:
         bad.append(FieldViolation("input", "set text or token_ids"))
         prompt_ids = []
@@ -49,20 +42,20 @@ def validate_generate(request: pb.GenerateRequest, prompt_ids: list[int] | None,
         prompt_ids = request.token_ids.ids
         if len(prompt_ids) <= max_prompt:  # (a too long prompt is refused below, without reading every id)
             prompt_ids = list(prompt_ids)
-            _check_ids(prompt_ids, "token_ids.ids", limits.vocab_size, bad)
+            _check_ids(prompt_ids, "token_ids.ids", model.vocab_size, bad)
     prompt_ids = prompt_ids or []
     if input_field is not None:
         field = "text" if input_field == "text" else "token_ids.ids"
         if not prompt_ids or (input_field == "text" and not request.text):  # BOS alone is no prompt
             bad.append(FieldViolation(field, "the prompt is empty"))
-        elif len(prompt_ids) >= limits.max_seq_len:
+        elif len(prompt_ids) >= model.max_seq_len:
             bad.append(FieldViolation(field, f"the prompt has {len(prompt_ids)} tokens; the context holds "
-                                             f"{limits.max_seq_len}, including at least one new token"))
+                                             f"{model.max_seq_len}, including at least one new token"))
         elif len(prompt_ids) > max_prompt:
             bad.append(FieldViolation(field, f"the prompt has {len(prompt_ids)} tokens; this server accepts "
                                              f"at most {max_prompt} (--max-prompt-tokens)"))
 
-    room = max(1, limits.max_seq_len - len(prompt_ids))
+    room = max(1, model.max_seq_len - len(prompt_ids))
     if stopping.HasField("max_new_tokens"):
         max_new_tokens = stopping.max_new_tokens
         if max_new_tokens < 1:
@@ -70,11 +63,11 @@ def validate_generate(request: pb.GenerateRequest, prompt_ids: list[int] | None,
         elif limits.max_new_tokens is not None and max_new_tokens > limits.max_new_tokens:
             bad.append(FieldViolation("stopping.max_new_tokens", f"this server allows at most "
                                       f"{limits.max_new_tokens} new tokens per request (--max-new-tokens-limit)"))
-        elif prompt_ids and len(prompt_ids) + max_new_tokens > limits.max_seq_len:
+        elif prompt_ids and len(prompt_ids) + max_new_tokens > model.max_seq_len:
             bad.append(FieldViolation(
                 "stopping.max_new_tokens",
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                f"(max_seq_len {limits.max_seq_len}); at most {room}"))
+                f"(max_seq_len {model.max_seq_len}); at most {room}"))
     else:  # unset: up to the end of the context, or the operator's limit
         max_new_tokens = min(room, limits.max_new_tokens or room)
     if len(stopping.stop) > MAX_STOP_STRINGS:
@@ -89,9 +82,9 @@ def validate_generate(request: pb.GenerateRequest, prompt_ids: list[int] | None,
         bad.append(FieldViolation("stopping.stop_token_ids",
                                   f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stopping.stop_token_ids)}"))
     else:
-        _check_ids(stopping.stop_token_ids, "stopping.stop_token_ids", limits.vocab_size, bad)
-    if request.response.top_logprobs > limits.max_top_logprobs:
-        bad.append(FieldViolation("response.top_logprobs", f"must be <= {limits.max_top_logprobs}"))
+        _check_ids(stopping.stop_token_ids, "stopping.stop_token_ids", model.vocab_size, bad)
+    if request.response.top_logprobs > MAX_TOP_LOGPROBS:
+        bad.append(FieldViolation("response.top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}"))
     if bad:
         raise InvalidArgument(bad)
 
@@ -126,21 +119,14 @@ def _sampling_fields(sampling: pb.SamplingParams, bad: list[FieldViolation]) -> 
     """The set fields, checked; unset ones are left to SamplingParams' defaults."""
     out: dict = {}
 
-    def number(name: str, ok, rule: str) -> None:
+    for name in SAMPLING_RULES:
         if not sampling.HasField(name):
-            return
+            continue
         value = getattr(sampling, name)
-        if isinstance(value, float) and not math.isfinite(value):
-            bad.append(FieldViolation(f"sampling.{name}", f"must be a finite number, got {value}"))
-        elif not ok(value):
-            bad.append(FieldViolation(f"sampling.{name}", f"{rule}, got {value:g}"))
+        if (problem := sampling_problem(name, value)) is not None:
+            bad.append(FieldViolation(f"sampling.{name}", problem))
         else:
             out[name] = value
-
-    number("temperature", lambda v: v >= 0, "must be >= 0 (0 = greedy)")
-    number("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
-    number("top_k", lambda v: v >= 0, "must be >= 0 (0 = off)")
-    number("repetition_penalty", lambda v: v > 0, "must be > 0 (1 = off)")
     if sampling.HasField("seed"):
         out["seed"] = sampling.seed
     return out

@@ -203,7 +203,7 @@ def test_adapter_management_catalogue(served, tmp_path):
 def test_too_many_open_streams():
     """C02: --max-concurrent-streams, checked before any work; RetryInfo says when to retry."""
     server = ServerThread(shared_engine(), ServerConfig(
-        port=0, retry_after_s=0.25, limits=RequestLimits(max_concurrent_streams=1)))
+        port=0, limits=RequestLimits(retry_after_s=0.25, max_concurrent_streams=1)))
     try:
         with server.client() as client:
             stream = client.generate("Once upon a time", max_new_tokens=200, ignore_eos=True)

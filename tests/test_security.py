@@ -83,7 +83,7 @@ def test_the_cli_passes_adapter_roots_and_security_flags_through(monkeypatch, tm
     assert args.adapter_root == [str(tmp_path)]  # → EngineConfig.adapter_roots (serve_main)
     assert config.security == SecurityConfig(api_token=API, admin_token=ADMIN, disable_adapter_management=True)
     assert (config.limits.max_prompt_tokens, config.limits.max_new_tokens) == (100, 50)
-    assert config.scheduler.max_streams == 9
+    assert config.limits.max_concurrent_streams == 9
     with pytest.raises(ValueError, match="go together"):
         _server_config(serve_parser().parse_args(["--tls-cert", "c.pem"]))
 

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from service.client import (AsyncLoraServeClient, DeadlineExceededError, InternalError, ResourceExhaustedError,
                             UnavailableError)
+from service.limits import RequestLimits
 from service.server import ServerConfig
 from tests.service_harness import ServerThread, shared_engine, wait_for
 
@@ -51,7 +52,7 @@ def test_deadline_exceeded_frees_the_slots(served):
 
 def test_overload_is_resource_exhausted_with_retry_info():
     engine = shared_engine()
-    server = ServerThread(engine, ServerConfig(port=0, max_queue=2, retry_after_s=0.5))
+    server = ServerThread(engine, ServerConfig(port=0, limits=RequestLimits(max_queue=2, retry_after_s=0.5)))
     try:
         runner = server.server.runner
         stop = threading.Event()

@@ -25,6 +25,7 @@ import grpc.aio
 import pytest
 
 from service._proto import pb, pb_grpc
+from service.limits import RequestLimits
 from service.server import ServerConfig
 from tests.client_loop import ClientLoop
 from tests.service_harness import ServerThread, shared_engine, wait_for
@@ -134,7 +135,7 @@ def _rss_mb() -> float:
 @pytest.fixture(scope="module")
 def served():
     # batch 8 + queue 96: a wave's burst overflows the queue now and then (RESOURCE_EXHAUSTED).
-    server = ServerThread(shared_engine(), ServerConfig(port=0, max_queue=96, retry_after_s=0.2, grace_period_s=10))
+    server = ServerThread(shared_engine(), ServerConfig(port=0, grace_period_s=10, limits=RequestLimits(max_queue=96, retry_after_s=0.2)))
     yield server
     server.stop()
 
