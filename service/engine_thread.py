@@ -11,6 +11,7 @@ thread sits idle.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,22 +19,27 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-_IDENT = _EXECUTOR.submit(threading.get_ident).result()
+
+@functools.cache  # (thread-safe enough: functools.cache holds a lock while it fills the entry)
+def _engine_thread() -> tuple[ThreadPoolExecutor, int]:
+    """Started on first use, not at import: importing the service starts no thread."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    return executor, executor.submit(threading.get_ident).result()
 
 
 def ident() -> int:
     """The engine thread's `threading.get_ident()`."""
-    return _IDENT
+    return _engine_thread()[1]
 
 
 def call(fn: Callable[..., T], *args: Any) -> T:
     """Run `fn` in the engine thread and wait for it (start-up code, benchmarks)."""
-    if threading.get_ident() == _IDENT:
+    executor, engine_ident = _engine_thread()
+    if threading.get_ident() == engine_ident:
         return fn(*args)
-    return _EXECUTOR.submit(fn, *args).result()
+    return executor.submit(fn, *args).result()
 
 
 async def run(fn: Callable[..., T], *args: Any) -> T:
     """Run `fn` in the engine thread without blocking the event loop; calls never overlap."""
-    return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_engine_thread()[0], fn, *args)
