@@ -169,7 +169,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     if model is None:
         from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
 
-        log.info("no --model: writing the embedded demo model and adapters (first run only)")
+        # lora_compile.demo logs "writing ..." itself, only when it does write.
+        log.info("no --model: serving the embedded demo model and adapters (random weights: gibberish output)")
         model = str(engine_thread.call(write_demo_checkpoint))
         demo_adapters = engine_thread.call(write_demo_adapters)
         adapters = {name: str(path) for name, path in demo_adapters.items()} | adapters
