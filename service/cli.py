@@ -109,7 +109,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_security_flags(p: argparse.ArgumentParser) -> None:
-    from .security import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 
     g = p.add_argument_group("security (see docs/operations.md)")
     g.add_argument("--api-token", default=None,
@@ -126,8 +126,9 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
 
 def _server_config(args: argparse.Namespace):
     """ServerConfig from the flags (ValueError for a bad combination)."""
+    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
     from .limits import RequestLimits
-    from .security import ADMIN_TOKEN_ENV, API_TOKEN_ENV, SecurityConfig, TlsConfig
+    from .security import SecurityConfig, TlsConfig
     from .server import ServerConfig
 
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -220,8 +221,6 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 
 # --- lora-client ------------------------------------------------------------------------------------
-# Spelled out, not imported from .security: that imports torch (through lora_compile), and lora-client must not.
-API_TOKEN_ENV, ADMIN_TOKEN_ENV = "LORA_SERVE_API_TOKEN", "LORA_SERVE_ADMIN_TOKEN"
 # Per-command deadline when --timeout is not given: without one, a peer that accepts but never answers holds a
 # call for grpc's 20 s connect timeout. generate: none, a stream lasts as long as its generation.
 DEFAULT_TIMEOUTS = {"health": 5.0, "info": 30.0, "tokenize": 30.0, "adapters": 30.0, "generate": None}
@@ -273,7 +272,9 @@ def client_parser() -> argparse.ArgumentParser:
 
 def client_main(argv: list[str] | None = None) -> int:
     from .client import DeadlineExceededError, LoraServeClient, LoraServeError
+
     from .client_channel import ClientTLS
+    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 
     parser = client_parser()
     args = parser.parse_args(argv)

@@ -9,6 +9,11 @@ import grpc
 import grpc.aio
 from opentelemetry import propagate
 
+# Where the server and the client CLI read tokens from, when no flag gives one (defined here: the client
+# imports nothing of the server's, so it needs no torch).
+API_TOKEN_ENV = "LORA_SERVE_API_TOKEN"
+ADMIN_TOKEN_ENV = "LORA_SERVE_ADMIN_TOKEN"
+
 
 @dataclass(frozen=True)
 class ClientTLS:
