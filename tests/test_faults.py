@@ -204,10 +204,11 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path, monkeypatch):
     root = tmp_path / "adapters"
     root.mkdir()
     # The grace must outlast the drain: every token of the batch + queue (the longest streams, at worst) at the
-    # rate measured on this machine, three times over (the drain also serves 44 streams to one client).
+    # rate measured on this machine, ten times over: a shared machine's load swings between the measurement and
+    # the drain. A long grace costs nothing when the drain is quick: the server exits as soon as it is done.
     rate = _measured_drain_rate()
     drain_need = sum(sorted(map(_new_tokens, range(STREAMS)))[-(BATCH + QUEUE):]) / rate
-    grace = round(max(30.0, 3 * drain_need), 1)
+    grace = round(max(30.0, 10 * drain_need), 1)
     step = BATCH / rate  # seconds per full-batch step
     server = ServeProcess(*SERVE_FLAGS, "--grace-period", str(grace), "--adapter-root", str(root))
     _, adapters = demo_paths()
