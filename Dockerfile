@@ -1,10 +1,15 @@
-# lora-serve on CPU. Serves the embedded demo model (and its adapters) by default, with tracing on.
+# lora-serve on CPU. Serves the embedded demo model (and its adapters) by default, with tracing on and adapter
+# management off (reachable from the network, LoadAdapter / UnloadAdapter would need a token: see below).
 #
 #   docker build -t lora-serve .
-#   docker run -p 50051:50051 -v lora-serve-cache:/cache lora-serve
-#   docker run -p 50051:50051 -v lora-serve-cache:/cache -v "$PWD/models:/models:ro" -v "$PWD/adapters:/adapters:ro" \
-#       lora-serve lora-serve --host 0.0.0.0 --tracing --model /models/Llama-3.2-1B --adapter sql=/adapters/sql
+#   docker run --stop-timeout 45 -p 50051:50051 -v lora-serve-cache:/cache lora-serve
+#   docker run --stop-timeout 45 -p 50051:50051 -v lora-serve-cache:/cache \
+#       -e LORA_SERVE_ADMIN_TOKEN="${LORA_SERVE_ADMIN_TOKEN:?set it to a secret first}" \
+#       -v "$PWD/models:/models:ro" -v "$PWD/adapters:/adapters:ro" lora-serve lora-serve --host 0.0.0.0 \
+#       --tracing --grace-period 30 --model /models/Llama-3.2-1B --adapter sql=/adapters/sql
 #
+# --stop-timeout: SIGTERM drains for --grace-period (30 s) plus at most 5 s of telemetry flush; Docker's default
+# of 10 s would SIGKILL the drain. The admin token goes in the environment, never on argv (ps shows argv).
 # /models and /adapters: mount your Hugging Face model and PEFT adapter directories (read-only is fine).
 # /cache: the demo model and the Inductor cache; keep it in a volume and a restart skips compilation.
 # Tracing: OTEL_EXPORTER_OTLP_ENDPOINT and the other OTEL_* variables (docs/tracing.md; docker-compose.yml).
@@ -35,4 +40,4 @@ RUN pip install ".[server]" \
 USER lora
 VOLUME ["/cache"]
 EXPOSE 50051
-CMD ["lora-serve", "--host", "0.0.0.0", "--tracing"]
+CMD ["lora-serve", "--host", "0.0.0.0", "--tracing", "--grace-period", "30", "--disable-adapter-management"]

@@ -7,6 +7,7 @@ and peft load them too, which is how the tests check the engine against a refere
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ DEMO_VERSION = "demo-v1"
 MODEL_DIRNAME = "demo-llama-v1"
 ADAPTERS_DIRNAME = "demo-adapters-v1"
 MARKER_FILE = ".demo_version"
+log = logging.getLogger(__name__)
 
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 BOS_ID, EOS_ID = 0, 1
@@ -66,14 +68,15 @@ def _is_complete(path: Path) -> bool:
     return marker.is_file() and marker.read_text().strip() == DEMO_VERSION
 
 
-def _write_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
-    """Create `final` by filling a temp dir next to it and renaming it into place.
+def _write_atomically(final: Path, fill: Callable[[Path], None], what: str) -> Path:
+    """Create `final` by filling a temp dir next to it and renaming it into place (logged: only then).
 
     The marker is written last, so a directory with the right marker is always complete; concurrent
     writers produce identical content and whichever rename lands first wins.
     """
     if _is_complete(final):
         return final
+    log.info("writing the %s to %s (first run only)", what, final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
@@ -269,7 +272,7 @@ def _fill_model_dir(out: Path) -> None:
 def write_demo_checkpoint(cache_dir: Path | None = None) -> Path:
     """`<cache>/demo-llama-v1/`: config, generation config, tokenizer and weights of the demo model."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return _write_atomically(root / MODEL_DIRNAME, _fill_model_dir)
+    return _write_atomically(root / MODEL_DIRNAME, _fill_model_dir, "demo model")
 
 
 # ------------------------------------------------------------------------------------------ adapters
@@ -357,5 +360,6 @@ def write_demo_adapters(cache_dir: Path | None = None) -> dict[str, Path]:
     """`<cache>/demo-adapters-v1/<name>/` for each demo adapter (PEFT format); writes the base model too."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     base_model = write_demo_checkpoint(root)
-    out = _write_atomically(root / ADAPTERS_DIRNAME, lambda tmp: _fill_adapters_dir(tmp, base_model))
+    out = _write_atomically(root / ADAPTERS_DIRNAME, lambda tmp: _fill_adapters_dir(tmp, base_model),
+                            "demo adapters")
     return {spec.name: out / spec.name for spec in DEMO_ADAPTERS}

@@ -176,7 +176,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     if model is None:
         from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
 
-        log.info("no --model: writing the embedded demo model and adapters (first run only)")
+        # lora_compile.demo logs "writing ..." itself, only when it does write.
+        log.info("no --model: serving the embedded demo model and adapters (random weights: gibberish output)")
         model = str(engine_thread.call(write_demo_checkpoint))
         demo_adapters = engine_thread.call(write_demo_adapters)
         adapters = {name: str(path) for name, path in demo_adapters.items()} | adapters
@@ -226,10 +227,17 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 
 # --- lora-client ------------------------------------------------------------------------------------
+# Per-command deadline when --timeout is not given: without one, a peer that accepts but never answers holds a
+# call for grpc's 20 s connect timeout. generate: none, a stream lasts as long as its generation.
+DEFAULT_TIMEOUTS = {"health": 5.0, "info": 30.0, "tokenize": 30.0, "adapters": 30.0, "generate": None}
+
+
 def client_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lora-client", description="Talk to a lora-serve server.")
     p.add_argument("--target", default="localhost:50051", help="server address (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="per-call deadline in seconds; 0: none (default: 5 for health, 30 for info, tokenize and "
+                        "adapters, none for generate)")
     p.add_argument("--token", default=None, help="bearer token for every call (or env LORA_SERVE_API_TOKEN)")
     p.add_argument("--admin-token", default=None,
                    help="bearer token for adapters load/unload (or env LORA_SERVE_ADMIN_TOKEN; default: --token)")
@@ -269,13 +277,16 @@ def client_parser() -> argparse.ArgumentParser:
 
 
 def client_main(argv: list[str] | None = None) -> int:
-    from .client import LoraServeClient, LoraServeError
+    from .client import DeadlineExceededError, LoraServeClient, LoraServeError
 
     from .client_channel import ClientTLS
     from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 
     parser = client_parser()
     args = parser.parse_args(argv)
+    if args.timeout is not None and args.timeout < 0:
+        parser.error("--timeout must be >= 0")
+    timeout = DEFAULT_TIMEOUTS[args.command] if args.timeout is None else (args.timeout or None)
     tls = None
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
         try:
@@ -284,11 +295,13 @@ def client_main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     token = args.token or os.environ.get(API_TOKEN_ENV) or None
     admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    with LoraServeClient(args.target, timeout=args.timeout, token=token, admin_token=admin_token, tls=tls) as client:
+    with LoraServeClient(args.target, timeout=timeout, token=token, admin_token=admin_token, tls=tls) as client:
         try:
             return _run_client_command(client, args)
         except LoraServeError as e:
-            print(f"error: {e}", file=sys.stderr)
+            hint = f" (no answer from {args.target} within {timeout:g}s; --timeout)" \
+                if isinstance(e, DeadlineExceededError) and timeout else ""
+            print(f"error: {e}{hint}", file=sys.stderr)
             for v in e.field_violations:
                 print(f"  {v.field}: {v.description}", file=sys.stderr)
             return 1

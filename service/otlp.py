@@ -191,8 +191,29 @@ def _json_documents(text: str) -> Iterator[dict]:
     yield from (doc if isinstance(doc, list) else [doc])
 
 
+_OTLP_KEYS = ("resourceSpans", "resourceMetrics", "resourceLogs")  # a collector's file export mixes signals
+
+
 def read_json_spans(path: str | Path) -> list[SpanRecord]:
-    return [span for doc in _json_documents(Path(path).read_text()) for span in spans_from_json(doc)]
+    """The spans of an OTLP JSON file; ValueError (one line, no traceback needed) for anything else."""
+    try:
+        docs = list(_json_documents(Path(path).read_text()))
+    except UnicodeDecodeError:
+        raise ValueError("not OTLP JSON: not a text file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not OTLP JSON: not JSON ({e})") from None
+    if not docs:
+        raise ValueError("not OTLP JSON: the file is empty")
+    spans = []
+    for i, doc in enumerate(docs, 1):
+        body = doc.get("result", doc) if isinstance(doc, dict) else None
+        if not isinstance(body, dict) or not any(isinstance(body.get(k), list) for k in _OTLP_KEYS):
+            raise ValueError(f"not OTLP JSON: document {i} is not an object with a resourceSpans list")
+        try:
+            spans += spans_from_json(doc)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not OTLP JSON: document {i} has a malformed span ({type(e).__name__}: {e})") from None
+    return spans
 
 
 # --- the receiver ----------------------------------------------------------------------------------------

@@ -220,9 +220,21 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(path).is_file():
             print(f"error: {path}: no such file", file=sys.stderr)
             return 2
-        spans += read_json_spans(path)
+        try:
+            spans += read_json_spans(path)
+        except (OSError, ValueError) as e:  # one line, not a traceback
+            print(f"error: {path}: {e.strerror if isinstance(e, OSError) else e}", file=sys.stderr)
+            return 2
     if args.listen:
         spans += _receive(args)
+    if args.trace_id is not None:
+        args.trace_id = args.trace_id.lower()
+        requests = {s.trace_id for s in spans if s.name.startswith("text_completion")}
+        if args.trace_id not in requests:
+            known = ", ".join(sorted(requests)[:5]) + (", ..." if len(requests) > 5 else "") or "none"
+            print(f"error: no request (text_completion span) in trace {args.trace_id}; traces with one: {known}",
+                  file=sys.stderr)
+            return 1
     print(summary(spans, args.trace_id, args.batch_size, args.steps_shown))
     return 0
 

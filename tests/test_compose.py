@@ -1,9 +1,15 @@
 """The Dockerfile and docker-compose.yml, checked statically (no Docker engine needed): services, ports,
-environment, health check, build context, and that the commands they run exist."""
+environment, health check, build context, stop timeouts, the admin token, and that the commands they run exist.
+The health check's own command also runs here, against a real server process and an in-process health service."""
 from __future__ import annotations
 
+import ast
 import json
-import shlex
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -44,6 +50,27 @@ def ports(service: dict) -> set[str]:
     return {str(p).split(":")[-1].split("/")[0] for p in service.get("ports", [])}
 
 
+def seconds(duration: str) -> float:
+    """A compose duration ("45s", "1m30s") in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}[u] for n, u in parts)
+
+
+def healthcheck_code(compose: dict) -> str:
+    test = compose["services"]["lora-serve"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"] and len(test) == 4, test  # exec form: no shell in between
+    return test[3]
+
+
+def run_healthcheck(code: str, target: str, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The health check's command as the container runs it, aimed at `target`; and its wall time."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, *flags, "-c", code.replace("127.0.0.1:50051", target)],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+    return proc, time.perf_counter() - t0
+
+
 def test_services_are_wired_together(compose):
     services = compose["services"]
     app, jaeger = services["lora-serve"], services["jaeger"]
@@ -51,8 +78,8 @@ def test_services_are_wired_together(compose):
     assert env["OTEL_SERVICE_NAME"] == "lora-serve"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317" and env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
     assert "50051:50051" in app["ports"]
-    assert jaeger["image"].startswith(("jaegertracing/all-in-one:", "jaegertracing/jaeger:"))
-    assert str(jaeger["environment"]["COLLECTOR_OTLP_ENABLED"]).lower() == "true"
+    assert re.fullmatch(r"jaegertracing/jaeger:2\.\d+\.\d+", jaeger["image"])  # v2, pinned (v1 is end-of-life)
+    assert "COLLECTOR_OTLP_ENABLED" not in jaeger.get("environment", {})  # v1's switch; v2 receives OTLP anyway
     assert {"4317", "4318", "16686"} <= ports(jaeger)
     # Every OTLP endpoint names a service of this file, on a port that service publishes, and is waited for.
     for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
@@ -65,17 +92,66 @@ def test_services_are_wired_together(compose):
     assert any(v.endswith(":/cache") for v in app["volumes"]) and "lora-serve-cache" in compose["volumes"]
 
 
-def test_healthcheck_asks_the_grpc_health_service(compose, scripts):
-    from service.cli import client_parser
-
+def test_healthcheck_asks_the_grpc_health_service_and_imports_no_torch(compose):
     check = compose["services"]["lora-serve"]["healthcheck"]
-    kind, command = check["test"]
-    assert kind == "CMD-SHELL"
-    argv = shlex.split(command.split("|")[0])
-    assert argv[0] in scripts and scripts[argv[0]] == "service.cli:client_main"
-    assert client_parser().parse_args(argv[1:]).command == "health"
-    assert "grep -qx SERVING" in command  # `lora-client health` prints the status and exits 0 either way
+    code = healthcheck_code(compose)
+    assert "lora-client" not in code and "$" not in code  # compose would interpolate a "$"
+    assert "127.0.0.1:50051" in code and "50051:50051" in compose["services"]["lora-serve"]["ports"]
+    imported = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    assert imported == {"sys", "grpc", "grpc_health.v1"}  # grpcio-health-checking: a dependency of the image
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("grpcio-health-checking") for d in deps)
+    deadline = float(re.search(r"timeout=(\d+(?:\.\d+)?)", code).group(1))
+    assert deadline < seconds(check["timeout"]) <= seconds(check["interval"])  # the RPC gives up before Docker does
     assert check["start_period"]  # warm-up compiles for minutes on a cold cache
+
+
+def test_healthcheck_exit_status_follows_the_serving_status(compose):
+    """Against grpc's own health service: 0 only for SERVING; NOT_SERVING and no server at all fail."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    code = healthcheck_code(compose)
+    server = grpc.server(ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for status, rc in (("NOT_SERVING", 1), ("SERVING", 0)):
+            servicer.set("", health_pb2.HealthCheckResponse.ServingStatus.Value(status))
+            proc, _ = run_healthcheck(code, f"127.0.0.1:{port}")
+            assert (proc.returncode, proc.stdout) == (rc, status + "\n"), proc.stderr
+    finally:
+        server.stop(None)
+    proc, _ = run_healthcheck(code, f"127.0.0.1:{port}")  # nothing listens there now
+    assert proc.returncode == 1 and proc.stderr.startswith("UNAVAILABLE: ") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_healthcheck_against_a_real_server(compose):
+    from tests.test_service_process import ServeProcess
+
+    code = healthcheck_code(compose)
+    server = ServeProcess()  # python -m service --no-compile --port 0 ...
+    try:
+        proc, wall = run_healthcheck(code, server.target)
+        assert (proc.returncode, proc.stdout) == (0, "SERVING\n"), proc.stderr
+        timed, _ = run_healthcheck(code, server.target, "-X", "importtime")
+    finally:
+        server.proc.kill()
+        server.proc.wait()
+    assert timed.returncode == 0
+    modules = {line.rsplit("|", 1)[-1].strip() for line in timed.stderr.splitlines() if line.startswith("import time:")}
+    assert "grpc" in modules and "grpc_health.v1.health_pb2" in modules
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("torch", "lora_compile", "service", "numpy"))
+    assert not heavy, heavy
+    print(f"\nhealthcheck: exit 0, SERVING, {wall:.3f} s wall; {len(modules)} modules imported, none of torch")
 
 
 def test_build_uses_the_repository_dockerfile(compose, scripts):
@@ -90,12 +166,47 @@ def test_build_uses_the_repository_dockerfile(compose, scripts):
 
     args = serve_parser().parse_args(cmd[1:])
     assert args.host == "0.0.0.0" and args.tracing and args.model is None  # the demo model, reachable, traced
+    assert args.disable_adapter_management  # `docker run` with no token: no LoadAdapter from the network
     assert ("VOLUME", '["/cache"]') in steps and "LORA_SERVE_CACHE=/cache" in dict(steps)["ENV"]
     assert ("EXPOSE", "50051") in steps
     # torch at the version pyproject pins, then the project itself.
-    pinned = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-                  if d.startswith("torch"))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = next(d for d in [*project["dependencies"], *project.get("optional-dependencies", {}).get("server", [])]
+                  if d.startswith("torch"))  # a base dependency, or the server extra's (main since f01b97f)
     runs = [args for word, args in steps if word == "RUN"]
-    assert any(f'"{pinned}"' in r for r in runs) and any("pip install ." in r for r in runs)
+    assert any(f'"{pinned}"' in r for r in runs)
+    assert any(re.search(r'pip install "?\.(\[server\])?"?(\s|$)', r) for r in runs)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", ".cache"} <= set(ignored)
+
+
+def test_stop_grace_period_outlasts_the_drain(compose):
+    """Docker sends SIGKILL after stop_grace_period (docker run: --stop-timeout): it must outlast the drain,
+    the server's 1 s for the last messages and the last telemetry flush."""
+    from service.cli import serve_parser
+    from service.tracing import SHUTDOWN_TIMEOUT_S
+
+    app = compose["services"]["lora-serve"]
+    image_cmd = json.loads(dict(dockerfile())["CMD"])
+    assert "--grace-period" in app["command"] and "--grace-period" in image_cmd  # explicit, not a default
+    grace = serve_parser().parse_args(app["command"][1:]).grace_period
+    assert serve_parser().parse_args(image_cmd[1:]).grace_period == grace
+    drain = grace + 1.0 + SHUTDOWN_TIMEOUT_S
+    assert seconds(app["stop_grace_period"]) > drain
+    documented = [int(t) for t in re.findall(r"--stop-timeout (\d+)", (ROOT / "Dockerfile").read_text())]
+    assert documented and min(documented) > drain
+
+
+def test_admin_rpcs_need_a_token_from_the_environment(compose, scripts, monkeypatch):
+    from service.cli import _server_config, serve_parser
+
+    app = compose["services"]["lora-serve"]
+    # compose's "required" form: `docker compose up` refuses to start while the variable is unset or empty.
+    assert re.fullmatch(r"\$\{LORA_SERVE_ADMIN_TOKEN:\?[^}$]+\}", app["environment"]["LORA_SERVE_ADMIN_TOKEN"])
+    assert scripts[app["command"][0]] == "service.cli:serve_main"
+    assert not any("token" in a for a in app["command"])  # never on argv
+    monkeypatch.setenv("LORA_SERVE_ADMIN_TOKEN", "from-compose")
+    args = serve_parser().parse_args(app["command"][1:])
+    security = _server_config(args).security
+    assert args.host == "0.0.0.0" and security.admin_token == "from-compose"
+    assert not security.disable_adapter_management

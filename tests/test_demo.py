@@ -80,6 +80,18 @@ def test_checkpoint_write_is_idempotent(demo_dir):
     assert {name: (demo_dir / name).stat().st_mtime_ns for name in _files(demo_dir)} == before
 
 
+def test_writing_is_logged_only_when_it_happens(tmp_path, caplog):
+    caplog.set_level("INFO", logger="lora_compile.demo")
+    demo.write_demo_adapters(tmp_path)  # writes the model too
+    first = [r.getMessage() for r in caplog.records if r.name == "lora_compile.demo"]
+    assert first == [f"writing the demo model to {tmp_path / 'demo-llama-v1'} (first run only)",
+                     f"writing the demo adapters to {tmp_path / 'demo-adapters-v1'} (first run only)"]
+    caplog.clear()
+    demo.write_demo_adapters(tmp_path)
+    demo.write_demo_checkpoint(tmp_path)
+    assert not [r for r in caplog.records if r.name == "lora_compile.demo"]
+
+
 def test_incomplete_directory_is_replaced(tmp_path, demo_dir):
     stale = tmp_path / "demo-llama-v1"
     stale.mkdir()

@@ -152,15 +152,65 @@ def test_admission_failure_fails_only_that_request(served, monkeypatch):
 
 
 # --- SIGTERM under load, real process -----------------------------------------------------------------
+SERVE_FLAGS = ("--max-batch-size", "4", "--max-loras-per-batch", "2", "--max-queue", "40")
+BATCH, QUEUE, STREAMS = 4, 40, 60
+STREAM_ADAPTERS = (None, "pirate", "poet", "scribe")
+
+
+def _new_tokens(i: int) -> int:
+    return 20 + i % 20
+
+
+async def _stream(stub, i: int, timeout: float, started: threading.Event | None = None):
+    """Stream i of the load: (status, tokens received, last message)."""
+    req = pb.GenerateRequest(text=f"Stream {i} says", adapter=STREAM_ADAPTERS[i % 4] or "")
+    req.stopping.max_new_tokens, req.stopping.ignore_eos = _new_tokens(i), True
+    tokens, last = 0, None
+    try:
+        async for msg in stub.Generate(req, timeout=timeout):
+            tokens += len(msg.token_ids)
+            last = msg
+            if started is not None:
+                started.set()
+    except grpc.aio.AioRpcError as e:
+        return e.code(), tokens, None
+    return grpc.StatusCode.OK, tokens, last
+
+
+def _measured_drain_rate() -> float:
+    """Tokens per second a server with the load's flags produces on the load's mix of adapters, two batches'
+    worth of streams at once: measured here, now, on this machine, however loaded it is."""
+    server = ServeProcess(*SERVE_FLAGS)
+    try:
+        async def calibrate():
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                t0 = time.monotonic()
+                results = await asyncio.gather(*(_stream(stub, i, timeout=600) for i in range(2 * BATCH)))
+                return time.monotonic() - t0, results
+        with ClientLoop() as client:
+            seconds, results = client.run(calibrate(), timeout=600)  # a hang guard, not a measure
+        assert all(code == grpc.StatusCode.OK for code, _, _ in results), results
+        return sum(n for _, n, _ in results) / seconds
+    finally:
+        server.proc.kill()
+        server.proc.wait()
+
+
 @pytest.mark.slow
 def test_sigterm_under_load_drains_and_exits_zero(tmp_path, monkeypatch):
     admin = "admin-secret-for-the-process"
     monkeypatch.setenv("LORA_SERVE_ADMIN_TOKEN", admin)  # the token from the environment, not argv
     root = tmp_path / "adapters"
     root.mkdir()
-    grace = 30.0
-    server = ServeProcess("--max-batch-size", "4", "--max-loras-per-batch", "2", "--max-queue", "40",
-                          "--grace-period", str(grace), "--adapter-root", str(root))
+    # The grace must outlast the drain: every token of the batch + queue (the longest streams, at worst) at the
+    # rate measured on this machine, ten times over: a shared machine's load swings between the measurement and
+    # the drain. A long grace costs nothing when the drain is quick: the server exits as soon as it is done.
+    rate = _measured_drain_rate()
+    drain_need = sum(sorted(map(_new_tokens, range(STREAMS)))[-(BATCH + QUEUE):]) / rate
+    grace = round(max(30.0, 10 * drain_need), 1)
+    step = BATCH / rate  # seconds per full-batch step
+    server = ServeProcess(*SERVE_FLAGS, "--grace-period", str(grace), "--adapter-root", str(root))
     _, adapters = demo_paths()
     try:
         outside = tmp_path / "outside"
@@ -175,33 +225,20 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path, monkeypatch):
 
         started, outcomes = threading.Event(), []
 
-        async def one(stub, i):
-            req = pb.GenerateRequest(text=f"Stream {i} says", adapter=[None, "pirate", "poet", "scribe"][i % 4] or "")
-            req.stopping.max_new_tokens, req.stopping.ignore_eos = 20 + i % 20, True
-            tokens, last = 0, None
-            try:
-                async for msg in stub.Generate(req, timeout=120):
-                    tokens += len(msg.token_ids)
-                    last = msg
-                    started.set()
-            except grpc.aio.AioRpcError as e:
-                return e.code(), tokens, None
-            return grpc.StatusCode.OK, tokens, last
-
         async def load():
             async with grpc.aio.insecure_channel(server.target) as channel:
                 stub = pb_grpc.GenerationStub(channel)
-                tasks = [asyncio.create_task(one(stub, i)) for i in range(60)]
-                await asyncio.to_thread(started.wait, 30)
-                await asyncio.sleep(0.3)  # a few steps into the batch, most streams still queued
+                tasks = [asyncio.create_task(_stream(stub, i, 2 * grace, started)) for i in range(STREAMS)]
+                assert await asyncio.to_thread(started.wait, grace), "no stream started"
+                await asyncio.sleep(3 * step)  # a few steps into the batch, most streams still queued
                 t0 = time.monotonic()
                 server.proc.send_signal(signal.SIGTERM)
                 outcomes.extend(await asyncio.gather(*tasks))
                 return t0
 
         with ClientLoop() as client:
-            sigterm_at = client.run(load(), timeout=180)
-        code = server.proc.wait(grace + 10)
+            sigterm_at = client.run(load(), timeout=3 * grace)
+        code = server.proc.wait(2 * grace)
         exit_seconds = time.monotonic() - sigterm_at
     finally:
         if server.proc.poll() is None:
@@ -210,7 +247,8 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path, monkeypatch):
     statuses = [c for c, _, _ in outcomes]
     summary = {"command": "python -m pytest " + " ".join(sys.argv[1:]),
                "streams": len(outcomes), "by_status": dict(Counter(c.name for c in statuses)),
-               "exit_code": code, "seconds_from_sigterm_to_exit": round(exit_seconds, 1), "grace_period_s": grace}
+               "exit_code": code, "seconds_from_sigterm_to_exit": round(exit_seconds, 1), "grace_period_s": grace,
+               "measured_tokens_per_s": round(rate, 1), "estimated_drain_s": round(drain_need, 1)}
     print("\nsigterm under load:", json.dumps(summary))
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     (REPORT_DIR / "sigterm.json").write_text(json.dumps(summary, indent=2))

@@ -62,6 +62,8 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
         assert "loading model" in log and "warm-up done" in log and "registered adapter pirate" in log
         assert "outside the engine thread" not in log  # the CLI keeps torch in one thread
         assert "moved out of the garbage collector's reach" in log  # gc.freeze() after warm-up
+        assert "serving the embedded demo model" in log
+        assert "writing the demo" not in log  # demo_paths() wrote it before: nothing to write
 
         # The CLI client against the real process.
         info = server.cli("info")
