@@ -25,7 +25,7 @@ from lora_compile.errors import AdapterError
 from . import engine_thread
 from .errors import EngineFailure, FailedPrecondition, QueueFull, StreamStalled, TooManyStreams, Unavailable
 from .output import OutputProcessor
-from .request import GenerationRequest, RequestOutput
+from .request import GenerationRequest, RequestEvent, RequestEventType, RequestOutput
 from .tracing import adapter_on_device
 
 if TYPE_CHECKING:
@@ -72,8 +72,13 @@ class RequestState:
     _write: asyncio.Future | None = None  # the handler's send in progress (see deliver)
     expired: bool = False  # the finished output was left unread for keep_finished_s
     trace: RequestTrace | None = None  # only while tracing
+    # Append-only (the engine thread stamps admission while the loop may read): readers keep their own index.
+    events: list[RequestEvent] = field(default_factory=list)
     _pending: RequestOutput | Exception | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def record_event(self, type: RequestEventType, time_ns: int | None = None, **fields: Any) -> None:
+        self.events.append(RequestEvent(type, time.time_ns() if time_ns is None else time_ns, fields or None))
 
     def push(self, item: RequestOutput | Exception) -> None:
         if isinstance(self._pending, RequestOutput) and isinstance(item, RequestOutput):
@@ -94,6 +99,11 @@ class RequestState:
         if self.done:
             return
         self.done = True
+        if isinstance(item, RequestOutput):
+            self.record_event(RequestEventType.FINISHED, finish_reason=item.finish_reason,
+                              prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens)
+        else:
+            self.record_event(RequestEventType.FINISHED, error=item)
         self.push(item)
         asyncio.get_running_loop().call_later(self.keep_finished_s, self._expire)
 
@@ -201,6 +211,7 @@ class EngineRunner:
                        sampling=request.sampling, adapter=request.adapter)
         state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop),
                              keep_finished_s=self.config.stall_timeout_s, trace=trace)
+        state.record_event(RequestEventType.QUEUED)
         if trace is not None:
             trace.queued(request)
         self._open_streams += 1
@@ -210,7 +221,9 @@ class EngineRunner:
         return state
 
     def abort(self, state: RequestState) -> None:
-        """The client is gone: drop the request; its slots are freed within one step."""
+        """The stream ended (or the client is gone): drop the request; its slots are freed within one step."""
+        if not state.done:
+            state.record_event(RequestEventType.ABORTED)
         if not state.closed:
             state.closed = True
             self._open_streams -= 1
@@ -290,8 +303,9 @@ class EngineRunner:
                 result.rejected.append((state, None))  # dropped; nothing to report to anyone
                 continue
             trace = state.trace
-            if trace is not None:  # tracing: time the admission, and whether it loaded the adapter
-                admit_ns, resident = time.time_ns(), adapter_on_device(self.engine, state.seq.adapter)
+            admit_ns = time.time_ns()
+            if trace is not None:  # tracing: whether admission loaded the adapter
+                resident = adapter_on_device(self.engine, state.seq.adapter)
             try:
                 if not self.engine.try_admit(state.seq):
                     break  # FIFO: nobody overtakes the head of the queue
@@ -300,6 +314,7 @@ class EngineRunner:
                 continue
             if trace is not None:
                 trace.admitted(admit_ns, time.time_ns(), adapter_loaded=not resident)
+            state.record_event(RequestEventType.ADMITTED, start_ns=admit_ns, adapter_loaded=state.seq.adapter_loaded)
             result.admitted.append(state)
         result.stepped = [s for s in running if not s.aborted] + result.admitted
         if result.stepped:
@@ -332,7 +347,10 @@ class EngineRunner:
                 self._running.remove(state)
                 self._to_release.append(state.seq)
             return
+        end_ns = result.step.end_ns if result.step is not None else 0
         for state in result.stepped:
+            if len(state.seq.output_ids) == 1:  # at most one token per step: this step sampled the first
+                state.record_event(RequestEventType.FIRST_TOKEN, end_ns)
             if state.aborted:
                 continue  # swept (and released) next iteration
             if state.seq.finish_reason == "error":  # e.g. non-finite logits: this request alone fails

@@ -374,3 +374,36 @@ def test_deadline_is_an_error(stack: Stack):
     [server] = in_trace(spans, trace_id, "loraserve.v1.Generation/Generate")
     assert server.status == "ERROR" and server.attributes["error.type"] == "DEADLINE_EXCEEDED"
     stack.served.wait_idle()
+
+
+def test_request_events_are_in_order_and_say_whether_the_adapter_was_loaded():
+    """With tracing off the runner still stamps each request's lifecycle; admission says whether it copied the
+    adapter into a device slot (cold) or found it there (resident)."""
+    from lora_compile import SamplingParams
+    from service.request import GenerationRequest, RequestEventType as E
+
+    served = TracedServer(None)
+    try:
+        runner, engine = served.server.runner, served.engine
+        prompt = engine.tokenizer.encode(PROMPT)
+
+        async def generate(adapter: str | None):
+            state = runner.add_request(GenerationRequest(secrets.token_hex(4), prompt,
+                                                         SamplingParams(max_new_tokens=3, ignore_eos=True), adapter))
+            while not (await state.next_output()).finished:
+                pass
+            runner.abort(state)  # the stream ends, as the servicer ends it
+            return state.events
+
+        cold = served.in_engine_thread(lambda: next(a.name for a in engine.adapters.list() if a.device_slot is None))
+        for adapter, loaded in ((cold, True), (cold, False), (None, False)):  # the second finds it resident
+            events = served.run(generate(adapter))
+            assert [e.type for e in events] == [E.QUEUED, E.ADMITTED, E.FIRST_TOKEN, E.FINISHED], adapter
+            assert [e.time_ns for e in events] == sorted(e.time_ns for e in events)
+            queued, admitted, _, finished = events
+            assert queued.time_ns <= admitted.fields["start_ns"] <= admitted.time_ns
+            assert admitted.fields["adapter_loaded"] is loaded, (adapter, loaded)
+            assert finished.fields == {"finish_reason": "length", "prompt_tokens": len(prompt), "completion_tokens": 3}
+        served.wait_idle()
+    finally:
+        served.stop()
