@@ -33,7 +33,7 @@ from service._proto import pb, pb_grpc
 from service.otlp import GrpcReceiver, OtlpSink
 from service.server import LoraServer, ServerConfig
 from service.trace_summary import batch_init_share, format_step_stats, step_times
-from service.tracing import setup_telemetry
+from service.telemetry_setup import setup_telemetry
 
 PROMPT_LEN = 32
 
@@ -65,10 +65,10 @@ async def decode_throughput(port: int, batch: int, new_tokens: int, adapters: li
     return sum(n for _, n in after) / (max(t for t, _ in after) - start)
 
 
-def _time_span_building(telemetry) -> list:
-    """Wrap Telemetry.on_iteration (the per-step tracing work on the event loop): [seconds, calls]."""
+def _time_span_building(observer) -> list:
+    """Wrap TelemetryObserver.on_iteration (the per-step tracing work on the event loop): [seconds, calls]."""
     spent = [0.0, 0]
-    inner = telemetry.on_iteration
+    inner = observer.on_iteration
 
     def timed(*args) -> None:
         t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def _time_span_building(telemetry) -> list:
         spent[0] += time.perf_counter() - t0
         spent[1] += 1
 
-    telemetry.on_iteration = timed
+    observer.on_iteration = timed
     return spent
 
 
@@ -121,9 +121,9 @@ async def run(args: argparse.Namespace) -> None:
     os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "grpc"
     os.environ.setdefault("OTEL_SERVICE_NAME", "lora-serve-bench")
     telemetry = setup_telemetry()
-    loop_cost = _time_span_building(telemetry)
     off = LoraServer(engine, ServerConfig(port=0))
     on = LoraServer(engine, ServerConfig(port=0), telemetry)
+    loop_cost = _time_span_building(on.observer)
     for server in (off, on):
         await server.start()
     t0 = time.perf_counter()

@@ -39,6 +39,12 @@ class StepOutput:
     forward_s: float = 0.0
     sample_s: float = 0.0
 
+    @property
+    def end_ns(self) -> int:
+        """Wall clock at the end of sampling (the phases back to back, as the step span lays them out)."""
+        return (self.start_ns + int(self.batch_init_s * 1e9) + int(self.merge_s * 1e9) + int(self.forward_s * 1e9)
+                + int(self.sample_s * 1e9))
+
 
 @dataclass
 class _Planned:
@@ -136,16 +142,17 @@ class Engine:
             )
 
     def try_admit(self, seq: Sequence) -> bool:
-        """Reserve a KV slot and pin the sequence's adapter; False (nothing changed) when either is full."""
+        """Reserve a KV slot and pin the sequence's adapter; False (nothing changed) when either is full.
+        Sets seq.adapter_loaded: whether admission copied the adapter into a device slot."""
         assert seq.kv_slot is None, "sequence already admitted"
         self.check_request(seq.prompt_ids, seq.sampling)
         if not self._free_kv:
             return False
-        lora_slot = self.adapters.acquire(seq.adapter)
-        if lora_slot is None:
+        acquired = self.adapters.acquire(seq.adapter)
+        if acquired is None:
             return False
         seq.kv_slot = self._free_kv.popleft()
-        seq.lora_slot = lora_slot
+        seq.lora_slot, seq.adapter_loaded = acquired
         seq.num_computed_tokens = 0
         if not seq.sampling.greedy:
             seed = seq.sampling.seed if seq.sampling.seed is not None else self._rng.getrandbits(63)

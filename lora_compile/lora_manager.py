@@ -78,22 +78,24 @@ class LoRAManager:
             return [self._info(n) for n in sorted(self._paths)]
 
     # --- device slots -------------------------------------------------------------------------------
-    def acquire(self, name: str | None) -> int | None:
-        """Pin `name` in a device slot (loading it if needed); None when every slot is pinned by others."""
+    def acquire(self, name: str | None) -> tuple[int, bool] | None:
+        """Pin `name` in a device slot, loading it if needed: (slot, whether this call loaded it); None when
+        every slot is pinned by others."""
         if not name:
-            return 0
+            return 0, False
         with self._lock:
             if name not in self._paths:
                 raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
             slot = self._slot_of.get(name)
-            if slot is None:
+            loaded = slot is None
+            if loaded:
                 slot = self._free_slot()
                 if slot is None:
                     return None
                 self._load_into(slot, self._host_copy(name))
             self._pins[slot] += 1
             self._slot_lru.move_to_end(slot)
-            return slot
+            return slot, loaded
 
     def _free_slot(self) -> int | None:
         """The lowest empty slot, else the least recently used unpinned one."""

@@ -22,6 +22,7 @@ class Sequence:
     # Owned by the engine while the sequence is admitted.
     kv_slot: int | None = None
     lora_slot: int = 0
+    adapter_loaded: bool = False  # try_admit copied the adapter into a device slot (it was not resident)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
 

@@ -168,7 +168,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     from . import engine_thread
     from .server import serve
-    from .tracing import describe_export, setup_telemetry, tracing_requested
+    from .telemetry_setup import describe_export, setup_telemetry, tracing_requested
 
     adapters = dict(args.adapter)
     model = args.model

@@ -1,7 +1,10 @@
-"""Typed requests and outputs between the servicer and the scheduler (no protobuf, no tensors)."""
+"""Typed requests and outputs between the servicer and the scheduler (no protobuf, no tensors), and the
+lifecycle events the scheduler stamps on a request for whoever reports on it (telemetry)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from lora_compile import SamplingParams
 
@@ -61,3 +64,19 @@ class RequestOutput:
         self.top_logprobs += later.top_logprobs
         for name in ("finish_reason", "stop", "stop_token_id", "prompt_tokens", "completion_tokens"):
             setattr(self, name, getattr(later, name))
+
+
+class RequestEventType(enum.Enum):
+    """vLLM v1's EngineCoreEventType, for one request's life in the runner."""
+
+    QUEUED = "queued"            # add_request
+    ADMITTED = "admitted"        # fields: start_ns (admission began), adapter_loaded (copied into a device slot)
+    FIRST_TOKEN = "first_token"  # at the end of the step that sampled it
+    FINISHED = "finished"        # fields: finish_reason, prompt_tokens, completion_tokens; or error (the exception)
+    ABORTED = "aborted"          # the client went away before the last output (cancel, deadline, closed stream)
+
+
+class RequestEvent(NamedTuple):
+    type: RequestEventType
+    time_ns: int  # wall clock (time.time_ns), as span timestamps are
+    fields: dict[str, Any] | None = None

@@ -7,6 +7,9 @@ A waiting queue (FIFO) and a running set. Each loop iteration makes ONE call int
 and then, back on the event loop, turns each sequence's new tokens into a RequestOutput on its queue.
 All engine calls run in the process's one engine thread (engine_thread.py), so they never overlap and the
 event loop keeps streaming.
+
+Telemetry observes, it does not steer: the runner stamps lifecycle events on each request (RequestState.events,
+always; a few per request) and hands them, with each StepOutput, to an optional RunnerObserver.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lora_compile import Engine, Sequence
 from lora_compile.errors import AdapterError
@@ -27,13 +30,10 @@ from . import engine_thread
 from .errors import EngineFailure, FailedPrecondition, QueueFull, StreamStalled, TooManyStreams, Unavailable
 from .limits import RequestLimits
 from .output import OutputProcessor
-from .request import GenerationRequest, ModelInfo, RequestOutput
-from .tracing import adapter_on_device
+from .request import GenerationRequest, ModelInfo, RequestEvent, RequestEventType, RequestOutput
 
 if TYPE_CHECKING:
     from lora_compile.engine import StepOutput
-
-    from .tracing import RequestTrace, Telemetry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,9 +56,13 @@ class RequestState:
     closed: bool = False    # the handler is gone; no longer counted as an open stream
     _write: asyncio.Future | None = None  # the handler's send in progress (see deliver)
     expired: bool = False  # the finished output was left unread for keep_finished_s
-    trace: RequestTrace | None = None  # only while tracing
+    # Append-only (the engine thread stamps admission while the loop may read): readers keep their own index.
+    events: list[RequestEvent] = field(default_factory=list)
     _pending: RequestOutput | Exception | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def record_event(self, type: RequestEventType, time_ns: int | None = None, **fields: Any) -> None:
+        self.events.append(RequestEvent(type, time.time_ns() if time_ns is None else time_ns, fields or None))
 
     def push(self, item: RequestOutput | Exception) -> None:
         if isinstance(self._pending, RequestOutput) and isinstance(item, RequestOutput):
@@ -79,6 +83,11 @@ class RequestState:
         if self.done:
             return
         self.done = True
+        if isinstance(item, RequestOutput):
+            self.record_event(RequestEventType.FINISHED, finish_reason=item.finish_reason,
+                              prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens)
+        else:
+            self.record_event(RequestEventType.FINISHED, error=item)
         self.push(item)
         asyncio.get_running_loop().call_later(self.keep_finished_s, self._expire)
 
@@ -107,7 +116,7 @@ class RequestState:
 
 
 @dataclass
-class _IterationResult:
+class IterationResult:
     admitted: list[RequestState]
     rejected: list[tuple[RequestState, Exception]]
     stepped: list[RequestState]
@@ -115,12 +124,25 @@ class _IterationResult:
     step: StepOutput | None = None
 
 
+class RunnerObserver(Protocol):
+    """Reports on requests (telemetry). Called on the event loop; reads events and results, changes nothing."""
+
+    def on_added(self, state: RequestState) -> None:
+        """In add_request, in the caller's context (e.g. its trace)."""
+
+    def on_iteration(self, result: IterationResult) -> None:
+        """After each iteration, once the next is under way."""
+
+    def on_finished(self, state: RequestState) -> None:
+        """The request's stream ended (its last output sent, an error, or the client gone)."""
+
+
 class EngineRunner:
     def __init__(self, engine: Engine, limits: RequestLimits = RequestLimits(),
-                 telemetry: Telemetry | None = None):
+                 observer: RunnerObserver | None = None):
         self.engine = engine
         self.limits = limits
-        self.telemetry = telemetry  # None: tracing off (the only check on the hot path)
+        self.observer = observer  # None: tracing off (the only check on the hot path)
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []
         self._to_release: list[Sequence] = []   # engine.release at the start of the next iteration
@@ -224,14 +246,15 @@ class EngineRunner:
         if self._open_streams >= self.max_streams:  # includes finished streams still flushing to slow readers
             raise TooManyStreams(self.max_streams, self.limits.retry_after_s)
 
-    def add_request(self, request: GenerationRequest, trace: RequestTrace | None = None) -> RequestState:
+    def add_request(self, request: GenerationRequest) -> RequestState:
         self.check_capacity()
         seq = Sequence(seq_id=next(self._seq_ids), prompt_ids=list(request.prompt_ids),
                        sampling=request.sampling, adapter=request.adapter)
         state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop),
-                             keep_finished_s=self.limits.stall_timeout_s, trace=trace)
-        if trace is not None:
-            trace.queued(request)
+                             keep_finished_s=self.limits.stall_timeout_s)
+        state.record_event(RequestEventType.QUEUED)
+        if self.observer is not None:
+            self.observer.on_added(state)
         self._open_streams += 1
         self._waiting.append(state)
         self._idle.clear()
@@ -239,10 +262,14 @@ class EngineRunner:
         return state
 
     def abort(self, state: RequestState) -> None:
-        """The client is gone: drop the request; its slots are freed within one step."""
+        """The stream ended (or the client is gone): drop the request; its slots are freed within one step."""
+        if not state.done:
+            state.record_event(RequestEventType.ABORTED)
         if not state.closed:
             state.closed = True
             self._open_streams -= 1
+            if self.observer is not None:
+                self.observer.on_finished(state)
         if not state.aborted:
             state.aborted = True
             state.done = True
@@ -309,26 +336,23 @@ class EngineRunner:
             self._to_release.append(state.seq)
 
     def _engine_iteration(self, to_release: list[Sequence], candidates: list[RequestState],
-                          running: list[RequestState]) -> _IterationResult:
+                          running: list[RequestState]) -> IterationResult:
         """Runs in the engine thread."""
         for seq in to_release:
             self._release(seq)
-        result = _IterationResult(admitted=[], rejected=[], stepped=[])
+        result = IterationResult(admitted=[], rejected=[], stepped=[])
         for state in candidates:
             if state.aborted:
                 result.rejected.append((state, None))  # dropped; nothing to report to anyone
                 continue
-            trace = state.trace
-            if trace is not None:  # tracing: time the admission, and whether it loaded the adapter
-                admit_ns, resident = time.time_ns(), adapter_on_device(self.engine, state.seq.adapter)
+            admit_ns = time.time_ns()
             try:
                 if not self.engine.try_admit(state.seq):
                     break  # FIFO: nobody overtakes the head of the queue
             except Exception as exc:  # noqa: BLE001 - e.g. the adapter was unloaded while it waited
                 result.rejected.append((state, exc))
                 continue
-            if trace is not None:
-                trace.admitted(admit_ns, time.time_ns(), adapter_loaded=not resident)
+            state.record_event(RequestEventType.ADMITTED, start_ns=admit_ns, adapter_loaded=state.seq.adapter_loaded)
             result.admitted.append(state)
         result.stepped = [s for s in running if not s.aborted] + result.admitted
         if result.stepped:
@@ -339,7 +363,7 @@ class EngineRunner:
                 result.step_error = exc
         return result
 
-    def _apply(self, result: _IterationResult) -> None:
+    def _apply(self, result: IterationResult) -> None:
         """Back on the event loop: move admitted requests, push outputs, schedule releases."""
         handled = {id(s) for s in result.admitted} | {id(s) for s, _ in result.rejected}
         self._waiting = deque(s for s in self._waiting if id(s) not in handled)
@@ -349,11 +373,10 @@ class EngineRunner:
             if exc is not None:  # engine errors (e.g. AdapterNotFoundError) map to statuses in errors.py
                 state.finish_with(exc)
         self._running.extend(result.admitted)
-        if self.telemetry is not None:
-            # Spans from the engine thread's timestamps, built on the loop once the next step is under way
-            # (call_soon: after _loop has handed the next iteration to the engine thread; before the streams).
-            asyncio.get_running_loop().call_soon(
-                self.telemetry.on_iteration, result.admitted, result.stepped, result.step)
+        if self.observer is not None:
+            # Reported once the next step is under way (call_soon: after _loop has handed the next iteration to
+            # the engine thread), with the events stamped below.
+            asyncio.get_running_loop().call_soon(self.observer.on_iteration, result)
         if result.step_error is not None:
             error = EngineFailure(f"engine step failed: {type(result.step_error).__name__}: {result.step_error}")
             for state in result.stepped:
@@ -361,7 +384,10 @@ class EngineRunner:
                 self._running.remove(state)
                 self._to_release.append(state.seq)
             return
+        end_ns = result.step.end_ns if result.step is not None else 0
         for state in result.stepped:
+            if len(state.seq.output_ids) == 1:  # at most one token per step: this step sampled the first
+                state.record_event(RequestEventType.FIRST_TOKEN, end_ns)
             if state.aborted:
                 continue  # swept (and released) next iteration
             if state.seq.finish_reason == "error":  # e.g. non-finite logits: this request alone fails

@@ -22,7 +22,9 @@ from .limits import RequestLimits
 from .scheduler import EngineRunner
 from .security import AuthInterceptor, SecurityConfig
 from .servicers import AdaptersServicer, GenerationServicer
-from .tracing import Telemetry, TracingInterceptor
+from .telemetry_interceptor import TracingInterceptor
+from .telemetry_observer import TelemetryObserver
+from .telemetry_setup import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +45,21 @@ class LoraServer:
 
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig(), telemetry: Telemetry | None = None):
         self.config = config
-        self.telemetry = telemetry  # None: tracing off (see tracing.py)
+        self.telemetry = telemetry  # None: tracing off (see telemetry_setup.py)
         self.state = ServingState.WARMING_UP
-        self.runner = EngineRunner(engine, config.limits, telemetry)
+        self.runner = EngineRunner(engine, config.limits)
+        # Tracing on: the observer builds request and step spans from what the runner and the interceptor report.
+        self.observer = (TelemetryObserver(telemetry, self.runner.model_info().model, self.runner.has_adapter)
+                         if telemetry is not None else None)
+        self.runner.observer = self.observer
+        tracing = [TracingInterceptor(telemetry, self.observer)] if telemetry is not None else []
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._stopped = False
         self._server = grpc.aio.server(
-            # Tracing first (outermost): its server span also covers refusals by the others.
-            interceptors=[*([TracingInterceptor(telemetry)] if telemetry is not None else []),
-                          AuthInterceptor(config.security), ErrorInterceptor(lambda: self.state)],
+            # Tracing first (outermost): its server span also covers refusals by the others; its inner part last.
+            interceptors=[*tracing, AuthInterceptor(config.security), ErrorInterceptor(lambda: self.state),
+                          *(t.inner for t in tracing)],
             options=[("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
                      ("grpc.max_receive_message_length", config.limits.max_message_bytes),
                      *([("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)]

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from . import tracing
 from ._proto import pb, pb_grpc
 from .heap import LARGE_REQUEST_BYTES, HeapTrimmer
 from .errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
@@ -41,8 +40,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._heap = HeapTrimmer()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        # Tracing on: the request span, under the interceptor's server span (it ends both with the status).
-        trace = tracing.start_request(request, self._runner) if self._runner.telemetry is not None else None
         self._runner.check_capacity()  # RESOURCE_EXHAUSTED / UNAVAILABLE before any work
         if len(request.text) + 4 * len(request.token_ids.ids) >= LARGE_REQUEST_BYTES:
             self._heap.after_large_request()
@@ -52,14 +49,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         req = validate_generate(request, prompt_ids, self._limits, self._model)
         if req.adapter is not None and not self._runner.has_adapter(req.adapter):
             raise NotFound("adapter", req.adapter)
-        state = self._runner.add_request(req, trace)
+        state = self._runner.add_request(req)
         # Cancellation, deadline or a closed stream: the runner drops the request within one step.
         context.add_done_callback(lambda _ctx: self._runner.abort(state))
         try:
             while True:
                 out = await state.next_output()
-                if trace is not None and out.finished:
-                    trace.finished(out)
                 # A write waits while the client does not read (HTTP/2 flow control); the state may end it.
                 await state.deliver(context.write(_response(req.request_id, out)))
                 if out.finished:

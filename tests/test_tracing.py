@@ -8,18 +8,22 @@ import json
 import secrets
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import grpc
 import pytest
 
-from service import trace_summary, tracing
+from service import telemetry_observer, telemetry_setup, trace_summary
 from service._proto import pb, pb_grpc
 from service.otlp import GrpcReceiver, HttpReceiver, OtlpSink, SpanRecord, spans_from_proto, to_otlp_json
 from service.server import LoraServer
-from service.tracing import Telemetry, setup_telemetry
+from service.telemetry_observer import TelemetryObserver
+from service.telemetry_setup import Telemetry, setup_telemetry
 from tests.service_harness import ServerThread, shared_engine
 
 PROMPT = "Once upon a time"
@@ -179,7 +183,7 @@ def test_a_merging_step_shows_its_merge_between_batch_init_and_forward(stack: St
     from lora_compile.engine import StepOutput
     step = StepOutput(seq_ids=[7], token_ids=[3], num_tokens=4, num_adapters=1, kind="decode", merged=True,
                       start_ns=time.time_ns(), batch_init_s=0.001, merge_s=0.120, forward_s=0.050, sample_s=0.002)
-    stack.telemetry.record_step(step, batch_size=4)
+    stack.served.server.observer.record_step(step, batch_size=4)
 
     def merged_steps(spans):
         return [s for s in spans if s.name == "engine.step" and s.start_ns == step.start_ns]
@@ -293,7 +297,8 @@ def test_model_labels_are_bounded():
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
 
-    tel = Telemetry(TracerProvider(shutdown_on_exit=False), MeterProvider(shutdown_on_exit=False), max_model_labels=2)
+    tel = TelemetryObserver(Telemetry(TracerProvider(shutdown_on_exit=False), MeterProvider(shutdown_on_exit=False)),
+                            "model", max_model_labels=2)
     assert [tel.model_label(n) for n in ("a", "b", "c", "a", "d")] == ["a", "b", "other", "a", "other"]
 
 
@@ -328,7 +333,7 @@ def _median_latency(served: ServerThread, n: int) -> float:
 
 def test_dead_collector_neither_fails_nor_slows_requests(monkeypatch):
     made = []
-    monkeypatch.setattr(tracing.RequestTrace, "__init__", lambda *a, **k: made.append(1) or None)
+    monkeypatch.setattr(telemetry_observer._Request, "__init__", lambda *a, **k: made.append(1) or None)
     plain = TracedServer(None)  # tracing off: no request trace is ever made
     try:
         base = _median_latency(plain, 4)
@@ -351,10 +356,10 @@ def test_dead_collector_neither_fails_nor_slows_requests(monkeypatch):
 
 
 def test_configuration_from_the_environment(monkeypatch):
-    monkeypatch.delenv(tracing.TRACING_ENV, raising=False)
-    assert not tracing.tracing_requested() and tracing.tracing_requested(True)
-    monkeypatch.setenv(tracing.TRACING_ENV, "1")
-    assert tracing.tracing_requested()
+    monkeypatch.delenv(telemetry_setup.TRACING_ENV, raising=False)
+    assert not telemetry_setup.tracing_requested() and telemetry_setup.tracing_requested(True)
+    monkeypatch.setenv(telemetry_setup.TRACING_ENV, "1")
+    assert telemetry_setup.tracing_requested()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="grpc or http/protobuf"):
         setup_telemetry()
@@ -374,3 +379,46 @@ def test_deadline_is_an_error(stack: Stack):
     [server] = in_trace(spans, trace_id, "loraserve.v1.Generation/Generate")
     assert server.status == "ERROR" and server.attributes["error.type"] == "DEADLINE_EXCEEDED"
     stack.served.wait_idle()
+
+
+def test_the_scheduler_does_not_import_telemetry():
+    """Telemetry observes the runner; the runner never needs it (tracing off loads none of it)."""
+    code = ("import sys, service.scheduler; "
+            "print(sorted(m for m in sys.modules if m.startswith(('service.telemetry', 'service.tracing'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_request_events_are_in_order_and_say_whether_the_adapter_was_loaded():
+    """With tracing off the runner still stamps each request's lifecycle; admission says whether it copied the
+    adapter into a device slot (cold) or found it there (resident)."""
+    from lora_compile import SamplingParams
+    from service.request import GenerationRequest, RequestEventType as E
+
+    served = TracedServer(None)
+    try:
+        assert served.server.observer is None
+        runner, engine = served.server.runner, served.engine
+        prompt = engine.tokenizer.encode(PROMPT)
+
+        async def generate(adapter: str | None):
+            state = runner.add_request(GenerationRequest(secrets.token_hex(4), prompt,
+                                                         SamplingParams(max_new_tokens=3, ignore_eos=True), adapter))
+            while not (await state.next_output()).finished:
+                pass
+            runner.abort(state)  # the stream ends, as the servicer ends it
+            return state.events
+
+        cold = served.in_engine_thread(lambda: next(a.name for a in engine.adapters.list() if a.device_slot is None))
+        for adapter, loaded in ((cold, True), (cold, False), (None, False)):  # the second finds it resident
+            events = served.run(generate(adapter))
+            assert [e.type for e in events] == [E.QUEUED, E.ADMITTED, E.FIRST_TOKEN, E.FINISHED], adapter
+            assert [e.time_ns for e in events] == sorted(e.time_ns for e in events)
+            queued, admitted, _, finished = events
+            assert queued.time_ns <= admitted.fields["start_ns"] <= admitted.time_ns
+            assert admitted.fields["adapter_loaded"] is loaded, (adapter, loaded)
+            assert finished.fields == {"finish_reason": "length", "prompt_tokens": len(prompt), "completion_tokens": 3}
+        served.wait_idle()
+    finally:
+        served.stop()
