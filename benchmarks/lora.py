@@ -15,8 +15,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (decode_step_time, fmt_row, interleaved, register_adapters, smollm2_checkpoint,
-                               write_lora_adapters)
+from benchmarks.common import (
+    decode_step_time,
+    fmt_row,
+    interleaved,
+    register_adapters,
+    smollm2_checkpoint,
+    write_lora_adapters,
+)
 from lora_compile import Engine, EngineConfig, packed_gemm
 
 N_ADAPTERS = 8

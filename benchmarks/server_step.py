@@ -6,7 +6,7 @@ An in-process lora-serve (compiled, SmolLM2-135M-shaped) streams 8 concurrent 64
 engine.step is timed, with the gap between steps (scheduler + output processing that is not overlapped). Then the
 same engine's bare decode step at batch 8 is measured in the same process, in the engine thread.
 
---torch-in-main builds the engine in the main thread (as the server did before service/engine_thread.py), so
+--torch-in-main builds the engine in the main thread (as the server did before service/runner/engine_thread.py), so
 torch runs in two threads of the process. --no-gc-freeze undoes the server's gc.freeze() after warm-up.
 The ITL percentiles include the in-process clients' own work, which a real client does elsewhere.
 """
@@ -20,12 +20,12 @@ import time
 
 import torch
 
+import service.runner.engine_thread as engine_thread
 from benchmarks.common import decode_step_time, smollm2_checkpoint
 from benchmarks.serving import percentile
 from lora_compile import Engine, EngineConfig
-from service import engine_thread
 from service.client import AsyncLoraServeClient
-from service.server import LoraServer, ServerConfig
+from service.grpc_api.server import LoraServer, ServerConfig
 
 BATCH = 8
 

@@ -25,15 +25,15 @@ from pathlib import Path
 import grpc.aio
 import torch
 
+import service.runner.engine_thread as engine_thread
 from benchmarks.common import smollm2_checkpoint, write_lora_adapter
 from benchmarks.engine import LIMITS
 from lora_compile import Engine, EngineConfig
-from service import engine_thread
 from service._proto import pb, pb_grpc
-from service.otlp import GrpcReceiver, OtlpSink
-from service.server import LoraServer, ServerConfig
-from service.trace_summary import batch_init_share, format_step_stats, step_times
-from service.telemetry_setup import setup_telemetry
+from service.grpc_api.server import LoraServer, ServerConfig
+from service.telemetry.setup import setup_telemetry
+from service.tools.otlp_receiver import GrpcReceiver, OtlpSink
+from service.tools.trace_summary import batch_init_share, format_step_stats, step_times
 
 PROMPT_LEN = 32
 

@@ -67,7 +67,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         # Where torch ran first. A process should keep all its torch work on one thread: every thread that runs
-        # a parallel op gets an OpenMP team of its own, and more teams than cores slow each step (service.engine_thread).
+        # a parallel op gets an OpenMP team of its own, and more teams than cores slow each step (service.runner.engine_thread).
         self.thread_id = threading.get_ident()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

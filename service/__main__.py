@@ -1,7 +1,8 @@
 """`python -m service [lora-serve flags]` runs the server; `python -m service client ...` the client CLI."""
 import sys
 
-from .cli import client_main, serve_main
+from service.cli import serve_main
+from service.client.cli import main as client_main
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["client"]:

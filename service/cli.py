@@ -1,10 +1,10 @@
-"""Console scripts: `lora-serve` (serve_main) and `lora-client` (client_main)."""
+"""`lora-serve`: serve a model (and `lora-serve trace-summary`). The client CLI is service/client/cli.py."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import dataclasses
+import importlib.util
 import logging
 import os
 import sys
@@ -24,9 +24,8 @@ def _adapter_arg(value: str) -> tuple[str, str]:
 def serve_parser() -> argparse.ArgumentParser:
     from lora_compile import EngineConfig
     from lora_compile.config import MERGE_MODES
-
-    from .limits import RequestLimits
-    from .server import ServerConfig
+    from service.grpc_api.server import ServerConfig
+    from service.limits import RequestLimits
 
     engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)
                        if f.default is not dataclasses.MISSING}
@@ -88,7 +87,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
-    from .limits import RequestLimits
+    from service.limits import RequestLimits
 
     d = RequestLimits()
     g = p.add_argument_group("limits (checked before a request gets any work; see docs/operations.md)")
@@ -111,7 +110,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_security_flags(p: argparse.ArgumentParser) -> None:
-    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+    from service.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 
     g = p.add_argument_group("security (see docs/operations.md)")
     g.add_argument("--api-token", default=None,
@@ -128,10 +127,10 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
 
 def _server_config(args: argparse.Namespace):
     """ServerConfig from the flags (ValueError for a bad combination)."""
-    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
-    from .limits import RequestLimits
-    from .security import SecurityConfig, TlsConfig
-    from .server import ServerConfig
+    from service.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
+    from service.grpc_api.security import SecurityConfig, TlsConfig
+    from service.grpc_api.server import ServerConfig
+    from service.limits import RequestLimits
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
@@ -157,18 +156,17 @@ def serve_main(argv: list[str] | None = None) -> int:
               "client only: the SDK and lora-client)", file=sys.stderr)
         return 2
     if argv[:1] == ["trace-summary"]:  # the one subcommand; plain `lora-serve [flags]` serves
-        from .trace_summary import main as trace_summary_main
+        from service.tools.trace_summary import main as trace_summary_main
         return trace_summary_main(argv[1:])
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lora-serve").setLevel(args.log_level)
 
+    import service.runner.engine_thread as engine_thread
     from lora_compile import Engine, EngineConfig
-
-    from . import engine_thread
-    from .server import serve
-    from .telemetry_setup import describe_export, setup_telemetry, tracing_requested
+    from service.grpc_api.server import serve
+    from service.telemetry.setup import describe_export, setup_telemetry, tracing_requested
 
     adapters = dict(args.adapter)
     model = args.model
@@ -224,126 +222,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         if telemetry is not None:
             telemetry.shutdown()  # the last spans and metrics; bounded when the collector is gone
     return 0 if clean else 1
-
-
-# --- lora-client ------------------------------------------------------------------------------------
-# Per-command deadline when --timeout is not given: without one, a peer that accepts but never answers holds a
-# call for grpc's 20 s connect timeout. generate: none, a stream lasts as long as its generation.
-DEFAULT_TIMEOUTS = {"health": 5.0, "info": 30.0, "tokenize": 30.0, "adapters": 30.0, "generate": None}
-
-
-def client_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lora-client", description="Talk to a lora-serve server.")
-    p.add_argument("--target", default="localhost:50051", help="server address (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="per-call deadline in seconds; 0: none (default: 5 for health, 30 for info, tokenize and "
-                        "adapters, none for generate)")
-    p.add_argument("--token", default=None, help="bearer token for every call (or env LORA_SERVE_API_TOKEN)")
-    p.add_argument("--admin-token", default=None,
-                   help="bearer token for adapters load/unload (or env LORA_SERVE_ADMIN_TOKEN; default: --token)")
-    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
-    p.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
-    p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (needs --tls-key)")
-    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    p.add_argument("--tls-server-name", help="check the server certificate against this name instead")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="stream a completion to the terminal")
-    g.add_argument("prompt")
-    g.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
-    g.add_argument("--max-new-tokens", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-
-    a = sub.add_parser("adapters", help="list, load or unload adapters")
-    asub = a.add_subparsers(dest="action", required=True)
-    asub.add_parser("list")
-    load = asub.add_parser("load")
-    load.add_argument("name")
-    load.add_argument("path", help="PEFT adapter directory, on the server's filesystem")
-    unload = asub.add_parser("unload")
-    unload.add_argument("name")
-
-    sub.add_parser("info", help="the served model and its limits")
-    t = sub.add_parser("tokenize", help="token ids of a text")
-    t.add_argument("text")
-    sub.add_parser("health", help="grpc.health.v1 status")
-    return p
-
-
-def client_main(argv: list[str] | None = None) -> int:
-    from .client import DeadlineExceededError, LoraServeClient, LoraServeError
-
-    from .client_channel import ClientTLS
-    from .client_channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
-
-    parser = client_parser()
-    args = parser.parse_args(argv)
-    if args.timeout is not None and args.timeout < 0:
-        parser.error("--timeout must be >= 0")
-    timeout = DEFAULT_TIMEOUTS[args.command] if args.timeout is None else (args.timeout or None)
-    tls = None
-    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
-        try:
-            tls = ClientTLS.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-        except (OSError, ValueError) as e:
-            parser.error(str(e))
-    token = args.token or os.environ.get(API_TOKEN_ENV) or None
-    admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    with LoraServeClient(args.target, timeout=timeout, token=token, admin_token=admin_token, tls=tls) as client:
-        try:
-            return _run_client_command(client, args)
-        except LoraServeError as e:
-            hint = f" (no answer from {args.target} within {timeout:g}s; --timeout)" \
-                if isinstance(e, DeadlineExceededError) and timeout else ""
-            print(f"error: {e}{hint}", file=sys.stderr)
-            for v in e.field_violations:
-                print(f"  {v.field}: {v.description}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return 130
-
-
-def _run_client_command(client, args) -> int:
-    if args.command == "generate":
-        last = None
-        for chunk in client.generate(
-            args.prompt, adapter=args.adapter, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, seed=args.seed, repetition_penalty=args.repetition_penalty,
-            stop=args.stop, ignore_eos=args.ignore_eos,
-        ):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            last = chunk
-        sys.stdout.write("\n")
-        if last is not None and last.usage is not None:
-            stop = f" ({last.stop!r})" if last.stop is not None else ""
-            print(f"[finish: {last.finish_reason}{stop}; prompt {last.usage.prompt_tokens} tokens, "
-                  f"completion {last.usage.completion_tokens} tokens]", file=sys.stderr)
-    elif args.command == "adapters":
-        if args.action == "list":
-            for a in client.list_adapters():
-                slot = "-" if a.device_slot is None else a.device_slot
-                print(f"{a.name}\trank={a.rank}\talpha={a.alpha:g}\tslot={slot}\tactive={a.active_requests}\t{a.path}")
-        elif args.action == "load":
-            a = client.load_adapter(args.name, args.path)
-            print(f"loaded {a.name} (rank {a.rank}, {', '.join(a.target_modules)}) from {a.path}")
-        else:
-            client.unload_adapter(args.name)
-            print(f"unloaded {args.name}")
-    elif args.command == "info":
-        for key, value in dataclasses.asdict(client.model_info()).items():
-            print(f"{key}: {value}")
-    elif args.command == "tokenize":
-        print(" ".join(map(str, client.tokenize(args.text))))
-    elif args.command == "health":
-        print(client.health())
-    return 0
 
 
 if __name__ == "__main__":

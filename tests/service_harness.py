@@ -10,12 +10,12 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import service.runner.engine_thread as engine_thread
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
-from service import engine_thread
 from service._proto import pb
 from service.client import LoraServeClient
-from service.server import LoraServer, ServerConfig
+from service.grpc_api.server import LoraServer, ServerConfig
 
 T = TypeVar("T")
 LIMITS = dict(compile=False, max_batch_size=8, max_seq_len=256, max_loras_per_batch=2, max_lora_rank=16)

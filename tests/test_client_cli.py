@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.cli import DEFAULT_TIMEOUTS, client_parser
+from service.client.cli import DEFAULT_TIMEOUTS, client_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

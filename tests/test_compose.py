@@ -184,7 +184,7 @@ def test_stop_grace_period_outlasts_the_drain(compose):
     """Docker sends SIGKILL after stop_grace_period (docker run: --stop-timeout): it must outlast the drain,
     the server's 1 s for the last messages and the last telemetry flush."""
     from service.cli import serve_parser
-    from service.telemetry_setup import SHUTDOWN_TIMEOUT_S
+    from service.telemetry.setup import SHUTDOWN_TIMEOUT_S
 
     app = compose["services"]["lora-serve"]
     image_cmd = json.loads(dict(dockerfile())["CMD"])

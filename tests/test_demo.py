@@ -15,8 +15,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from tests.checkpoints import load_reference, make_peft_adapter, make_tiny_model, reference_greedy
 from lora_compile import demo
+from tests.checkpoints import load_reference, make_peft_adapter, make_tiny_model, reference_greedy
 
 N_TOKENS = 32
 PROMPTS = ("The quick brown fox", "Once upon a time, in a land far away")

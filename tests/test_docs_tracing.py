@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.otlp import GrpcReceiver
+from service.tools.otlp_receiver import GrpcReceiver
 from tests.test_tracing import BASE_ENV, Stack
 
 ROOT = Path(__file__).resolve().parent.parent

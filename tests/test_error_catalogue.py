@@ -13,8 +13,8 @@ import pytest
 from service._proto import pb, pb_grpc
 from service.client import from_rpc_error
 from service.errors import MAX_REPORTED_VIOLATIONS
+from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
-from service.server import ServerConfig
 from tests.service_harness import ServerThread, demo_paths, shared_engine, wait_for
 from tests.service_harness import make_request as _request
 from tests.wire import field_bytes, field_varint, raw_generate, raw_tokenize, varint

@@ -21,8 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service._proto import pb, pb_grpc
-from service.client import (FailedPreconditionError, InternalError, InvalidArgumentError, LoraServeClient,
-                            UnauthenticatedError)
+from service.client import (
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    LoraServeClient,
+    UnauthenticatedError,
+)
 from tests.client_loop import ClientLoop
 from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, shared_engine, wait_for
 from tests.test_service_process import ServeProcess

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from service._proto import pb
+from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
-from service.server import ServerConfig
 from tests.client_loop import ClientLoop
 from tests.service_harness import ServerThread, shared_engine, wait_for
 from tests.wire import GENERATE, TOKENIZE, field_bytes

@@ -22,7 +22,7 @@ def test_importing_every_engine_module_starts_no_thread():
 
 
 def test_importing_every_service_module_starts_no_thread():
-    """The engine thread (service.engine_thread) starts on first use, not when the service is imported."""
+    """The engine thread (service.runner.engine_thread) starts on first use, not when the service is imported."""
     code = (
         "import importlib, pkgutil, threading, service\n"
         "names = [m.name for m in pkgutil.walk_packages(service.__path__, 'service.')]\n"

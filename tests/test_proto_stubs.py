@@ -8,7 +8,7 @@ import pytest
 
 grpc_tools = pytest.importorskip("grpc_tools")
 
-from service import gen_proto  # noqa: E402
+from service.tools import gen_proto  # noqa: E402
 
 
 def test_committed_stubs_match_proto(tmp_path: Path) -> None:

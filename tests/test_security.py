@@ -13,12 +13,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service._proto import pb, pb_grpc
-from service.cli import _server_config, client_main, serve_parser
-from service.client import (InvalidArgumentError, LoraServeClient, PermissionDeniedError, UnauthenticatedError,
-                            UnavailableError)
-from service.client_channel import ClientTLS
-from service.security import SecurityConfig, TlsConfig
-from service.server import ServerConfig
+from service.cli import _server_config, serve_parser
+from service.client import (
+    InvalidArgumentError,
+    LoraServeClient,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from service.client.channel import ClientTLS
+from service.client.cli import main as client_main
+from service.grpc_api.security import SecurityConfig, TlsConfig
+from service.grpc_api.server import ServerConfig
 from tests.certs import CertificateAuthority
 from tests.service_harness import ServerThread, build_engine, demo_paths, shared_engine
 

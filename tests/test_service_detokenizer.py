@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from lora_compile import SamplingParams, Sequence
 from lora_compile.tokenizer import Tokenizer
-from service.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher
-from service.output import OutputProcessor
+from service.runner.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher
+from service.runner.output import OutputProcessor
 from tests.service_harness import demo_paths
 
 MULTIBYTE = "naïve café — 世界 🎉 ok"

@@ -8,8 +8,7 @@ import grpc
 import pytest
 
 from service._proto import pb, pb_grpc
-from service.client import (FailedPreconditionError, InvalidArgumentError, LoraServeError, NotFoundError,
-                            from_rpc_error)
+from service.client import FailedPreconditionError, InvalidArgumentError, LoraServeError, NotFoundError, from_rpc_error
 from tests.service_harness import ServerThread, demo_paths, shared_engine
 from tests.service_harness import make_request as _request
 

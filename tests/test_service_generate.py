@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from service.client import AsyncLoraServeClient
-from service.detokenizer import REPLACEMENT_CHAR
+from service.runner.detokenizer import REPLACEMENT_CHAR
 from tests.service_harness import ServerThread, shared_engine
 
 PROMPTS = ["Once upon a time", "The river", "In the morning the sun", "People in the town",

@@ -11,10 +11,15 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from service.client import (AsyncLoraServeClient, DeadlineExceededError, InternalError, ResourceExhaustedError,
-                            UnavailableError)
+from service.client import (
+    AsyncLoraServeClient,
+    DeadlineExceededError,
+    InternalError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
-from service.server import ServerConfig
 from tests.service_harness import ServerThread, shared_engine, wait_for
 
 LONG = dict(max_new_tokens=240, ignore_eos=True)  # ~1 s of decoding: long enough to act mid-stream
@@ -167,7 +172,7 @@ def test_reflection_lists_the_services(served):
 
 
 def test_server_warns_when_torch_runs_outside_the_engine_thread(caplog):
-    """A second thread running torch slows every step (service/engine_thread.py): the server says so."""
+    """A second thread running torch slows every step (service/runner/engine_thread.py): the server says so."""
     from lora_compile import Engine, EngineConfig
     from tests.service_harness import LIMITS, demo_paths
 
@@ -177,6 +182,6 @@ def test_server_warns_when_torch_runs_outside_the_engine_thread(caplog):
         server.stop()
         return any("outside the engine thread" in r.getMessage() for r in caplog.records)
 
-    with caplog.at_level("WARNING", logger="service.server"):
+    with caplog.at_level("WARNING", logger="service.grpc_api.server"):
         assert not warned(shared_engine())
         assert warned(Engine(EngineConfig(model=str(demo_paths()[0]), **LIMITS)))

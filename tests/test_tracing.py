@@ -18,12 +18,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service import telemetry_observer, telemetry_setup, trace_summary
+import service.telemetry.observer as telemetry_observer
+import service.telemetry.setup as telemetry_setup
+import service.tools.trace_summary as trace_summary
 from service._proto import pb, pb_grpc
-from service.otlp import GrpcReceiver, HttpReceiver, OtlpSink, SpanRecord, spans_from_proto, to_otlp_json
-from service.server import LoraServer
-from service.telemetry_observer import TelemetryObserver
-from service.telemetry_setup import Telemetry, setup_telemetry
+from service.grpc_api.server import LoraServer
+from service.telemetry.observer import TelemetryObserver
+from service.telemetry.setup import Telemetry, setup_telemetry
+from service.tools.otlp_receiver import GrpcReceiver, HttpReceiver, OtlpSink, SpanRecord, spans_from_proto, to_otlp_json
 from tests.service_harness import ServerThread, shared_engine
 
 PROMPT = "Once upon a time"
@@ -383,7 +385,7 @@ def test_deadline_is_an_error(stack: Stack):
 
 def test_the_scheduler_does_not_import_telemetry():
     """Telemetry observes the runner; the runner never needs it (tracing off loads none of it)."""
-    code = ("import sys, service.scheduler; "
+    code = ("import sys, service.runner.scheduler; "
             "print(sorted(m for m in sys.modules if m.startswith(('service.telemetry', 'service.tracing'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                          capture_output=True, text=True, check=True, timeout=120)
@@ -394,7 +396,8 @@ def test_request_events_are_in_order_and_say_whether_the_adapter_was_loaded():
     """With tracing off the runner still stamps each request's lifecycle; admission says whether it copied the
     adapter into a device slot (cold) or found it there (resident)."""
     from lora_compile import SamplingParams
-    from service.request import GenerationRequest, RequestEventType as E
+    from service.runner.request import GenerationRequest
+    from service.runner.request import RequestEventType as E
 
     served = TracedServer(None)
     try:

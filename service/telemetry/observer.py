@@ -1,7 +1,7 @@
 """The telemetry observer: every request span, engine-step span and GenAI metric, built from what the runner
 reports. It observes; it never steers (vLLM v1's record_event / take_events).
 
-The runner stamps lifecycle events on each request (service/request.py RequestEventType), always, and calls
+The runner stamps lifecycle events on each request (service/runner/request.py RequestEventType), always, and calls
   on_added(state)       add_request, in the gRPC call's context: the request span opens under its server span
   on_iteration(result)  after each iteration: admission and first-token spans from the events, the step span
   on_finished(state)    the request's stream ended: usage, token metrics
@@ -29,14 +29,14 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link
 
-from .request import RequestEventType
-from .telemetry_interceptor import CallSpan, current_call, set_error
-from .telemetry_setup import Telemetry, never_raise
+from service.runner.request import RequestEventType
+from service.telemetry.interceptor import CallSpan, current_call, set_error
+from service.telemetry.setup import Telemetry, never_raise
 
 if TYPE_CHECKING:
     from lora_compile.engine import StepOutput
-
-    from .scheduler import IterationResult, RequestState
+    from service.runner.request_state import RequestState
+    from service.runner.scheduler import IterationResult
 
 MAX_MODEL_LABELS = 64    # distinct gen_ai.request.model values on metrics; later ones are "other"
 OTHER_MODEL = "other"

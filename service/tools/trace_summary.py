@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .otlp import GrpcReceiver, HttpReceiver, OtlpSink, SpanRecord, read_json_spans, to_otlp_json
+from service.tools.otlp_receiver import GrpcReceiver, HttpReceiver, OtlpSink, SpanRecord, read_json_spans, to_otlp_json
 
 PHASES = ("lora.batch_init", "model.forward", "sample")
 

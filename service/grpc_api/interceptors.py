@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 import grpc.aio
 
-from .errors import MalformedRequest, ServiceError, Unavailable, to_rpc_status
+from service.errors import MalformedRequest, ServiceError, Unavailable, to_rpc_status
 
 API_PREFIX = "/loraserve.v1."  # health and reflection stay reachable while warming up or draining
 

@@ -5,7 +5,7 @@
         for chunk in client.generate("Once upon a time", adapter="pirate", max_new_tokens=64):
             print(chunk.text, end="", flush=True)
 
-Every RPC error is raised as a `LoraServeError` subclass (see client_errors.py).
+Every RPC error is raised as a `LoraServeError` subclass (see errors.py beside this file).
 """
 from __future__ import annotations
 
@@ -16,13 +16,9 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ._proto import pb, pb_grpc
-from .client_channel import ClientTLS, bearer, open_channel, with_trace_context
-from .client_errors import (  # noqa: F401 - re-exported: `from service.client import NotFoundError`
-    CancelledError, DeadlineExceededError, FailedPreconditionError, FieldViolation, InternalError,
-    InvalidArgumentError, LoraServeError, NotFoundError, PermissionDeniedError, ResourceExhaustedError,
-    UnauthenticatedError, UnavailableError, from_rpc_error,
-)
+from service._proto import pb, pb_grpc
+from service.client.channel import ClientTLS, bearer, open_channel, with_trace_context
+from service.client.errors import from_rpc_error
 
 _FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
                    pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_CANCELLED: "cancelled"}

@@ -9,11 +9,10 @@ import uuid
 
 from lora_compile import SamplingParams
 from lora_compile.sampling import SAMPLING_RULES, sampling_problem
-
-from ._proto import pb
-from .errors import FieldViolation, InvalidArgument
-from .limits import RequestLimits
-from .request import GenerationRequest, ModelInfo
+from service._proto import pb
+from service.errors import FieldViolation, InvalidArgument
+from service.limits import RequestLimits
+from service.runner.request import GenerationRequest, ModelInfo
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64

@@ -20,11 +20,11 @@ import grpc.aio
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from .interceptors import API_PREFIX
-from .telemetry_setup import Telemetry, never_raise
+from service.grpc_api.interceptors import API_PREFIX
+from service.telemetry.setup import Telemetry, never_raise
 
 if TYPE_CHECKING:
-    from .telemetry_observer import TelemetryObserver
+    from service.telemetry.observer import TelemetryObserver
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _CALL: contextvars.ContextVar[CallSpan | None] = contextvars.ContextVar("lora_serve_call", default=None)

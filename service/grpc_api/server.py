@@ -15,16 +15,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lora_compile import Engine
-
-from ._proto import pb, pb_grpc
-from .interceptors import ErrorInterceptor, ServingState
-from .limits import RequestLimits
-from .scheduler import EngineRunner
-from .security import AuthInterceptor, SecurityConfig
-from .servicers import AdaptersServicer, GenerationServicer
-from .telemetry_interceptor import TracingInterceptor
-from .telemetry_observer import TelemetryObserver
-from .telemetry_setup import Telemetry
+from service._proto import pb, pb_grpc
+from service.grpc_api.interceptors import ErrorInterceptor, ServingState
+from service.grpc_api.security import AuthInterceptor, SecurityConfig
+from service.grpc_api.servicers import AdaptersServicer, GenerationServicer
+from service.limits import RequestLimits
+from service.runner.scheduler import EngineRunner
+from service.telemetry.interceptor import TracingInterceptor
+from service.telemetry.observer import TelemetryObserver
+from service.telemetry.setup import Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from .errors import FieldViolation, InvalidArgument
+from service.errors import FieldViolation, InvalidArgument
 
 API_PREFIX = "/loraserve.v1."
 ADMIN_METHODS = frozenset({"/loraserve.v1.Adapters/LoadAdapter", "/loraserve.v1.Adapters/UnloadAdapter"})

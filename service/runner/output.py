@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from lora_compile import Sequence
-
-from .detokenizer import Decoder, IncrementalDetokenizer, StopStringMatcher
-from .request import RequestOutput
+from service.runner.detokenizer import Decoder, IncrementalDetokenizer, StopStringMatcher
+from service.runner.request import RequestOutput
 
 
 class OutputProcessor:

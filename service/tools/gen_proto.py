@@ -1,4 +1,4 @@
-"""Regenerate the committed Python stubs in service/_proto/ from proto/ (`python -m service.gen_proto`).
+"""Regenerate the committed Python stubs in service/_proto/ from proto/ (`python -m service.tools.gen_proto`).
 
 protoc names modules after the proto path (`loraserve/v1/...`) and writes absolute imports
 (`from loraserve.v1 import lora_serve_pb2`); we flatten the output into one package and make those
@@ -15,7 +15,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
 PROTO_FILES = ("loraserve/v1/lora_serve.proto",)
 OUT_DIR = ROOT / "service" / "_proto"

@@ -8,14 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from ._proto import pb, pb_grpc
-from .heap import LARGE_REQUEST_BYTES, HeapTrimmer
-from .errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
-from .limits import RequestLimits
-from .request import RequestOutput
-from .scheduler import EngineRunner
-from .security import check_adapter_path
-from .validation import MAX_NAME_CHARS, validate_generate
+from service._proto import pb, pb_grpc
+from service.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from service.grpc_api.heap import LARGE_REQUEST_BYTES, HeapTrimmer
+from service.grpc_api.security import check_adapter_path
+from service.grpc_api.validation import MAX_NAME_CHARS, validate_generate
+from service.limits import RequestLimits
+from service.runner.request import RequestOutput
+from service.runner.scheduler import EngineRunner
 
 log = logging.getLogger(__name__)
 
