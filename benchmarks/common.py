@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from lora_compile import Engine, SamplingParams, Sequence
-from lora_compile.demo import default_cache_dir, write_demo_tokenizer
+from lora_serve_demo import default_cache_dir, write_demo_tokenizer
 
 # SmolLM2-135M's shape (random weights: no hub access here, and speed does not depend on the values).
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

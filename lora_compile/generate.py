@@ -6,7 +6,6 @@ import sys
 import time
 
 from .config import EngineConfig
-from .demo import write_demo_adapters, write_demo_checkpoint
 from .engine import Engine
 from .sampling import SamplingParams
 
@@ -33,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     adapters = dict(a.split("=", 1) for a in args.adapter)
     if args.model is None:
+        from lora_serve_demo import write_demo_adapters, write_demo_checkpoint  # the demo is not the engine's
+
         model = write_demo_checkpoint()
         adapters = {**{k: str(v) for k, v in write_demo_adapters().items()}, **adapters}
     else:

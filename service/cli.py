@@ -172,9 +172,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     model = args.model
     roots = tuple(args.adapter_root)
     if model is None:
-        from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
+        from lora_serve_demo import write_demo_adapters, write_demo_checkpoint
 
-        # lora_compile.demo logs "writing ..." itself, only when it does write.
+        # lora_serve_demo logs "writing ..." itself, only when it does write.
         log.info("no --model: serving the embedded demo model and adapters (random weights: gibberish output)")
         model = str(engine_thread.call(write_demo_checkpoint))
         demo_adapters = engine_thread.call(write_demo_adapters)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine, EngineConfig, SamplingParams
-from lora_compile.demo import write_demo_adapters, write_demo_checkpoint
+from lora_serve_demo import write_demo_adapters, write_demo_checkpoint
 from service._proto import pb
 from service.client import LoraServeClient
 from service.grpc_api.server import LoraServer, ServerConfig

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from lora_compile import demo
+import lora_serve_demo as demo
 from tests.checkpoints import load_reference, make_peft_adapter, make_tiny_model, reference_greedy
 
 N_TOKENS = 32
@@ -81,15 +81,15 @@ def test_checkpoint_write_is_idempotent(demo_dir):
 
 
 def test_writing_is_logged_only_when_it_happens(tmp_path, caplog):
-    caplog.set_level("INFO", logger="lora_compile.demo")
+    caplog.set_level("INFO", logger="lora_serve_demo")
     demo.write_demo_adapters(tmp_path)  # writes the model too
-    first = [r.getMessage() for r in caplog.records if r.name == "lora_compile.demo"]
+    first = [r.getMessage() for r in caplog.records if r.name == "lora_serve_demo"]
     assert first == [f"writing the demo model to {tmp_path / 'demo-llama-v1'} (first run only)",
                      f"writing the demo adapters to {tmp_path / 'demo-adapters-v1'} (first run only)"]
     caplog.clear()
     demo.write_demo_adapters(tmp_path)
     demo.write_demo_checkpoint(tmp_path)
-    assert not [r for r in caplog.records if r.name == "lora_compile.demo"]
+    assert not [r for r in caplog.records if r.name == "lora_serve_demo"]
 
 
 def test_incomplete_directory_is_replaced(tmp_path, demo_dir):
@@ -109,7 +109,7 @@ def test_concurrent_writers_agree(tmp_path, demo_dir):
 
 
 def test_tokenizer_does_not_depend_on_hash_seed():
-    code = "from lora_compile.demo import build_demo_tokenizer; print(build_demo_tokenizer().to_str())"
+    code = "from lora_serve_demo import build_demo_tokenizer; print(build_demo_tokenizer().to_str())"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                            cwd=Path(__file__).parent.parent)

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .config import ModelConfig
-from .model import LORA_TARGETS, module_shapes
+from lora_compile.config import ModelConfig
+from lora_compile.model import LORA_TARGETS, module_shapes
 
 DEMO_VERSION = "demo-v1"
 MODEL_DIRNAME = "demo-llama-v1"
