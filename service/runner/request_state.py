@@ -32,6 +32,7 @@ class RequestState:
     done: bool = False      # the last output (or an error) is pending
     closed: bool = False    # the handler is gone; no longer counted as an open stream
     _write: asyncio.Future | None = None  # the handler's send in progress (see deliver)
+    _expiry: asyncio.TimerHandle | None = None  # armed when the request finishes, cancelled when the stream closes
     expired: bool = False  # the finished output was left unread for keep_finished_s
     # Append-only (the engine thread stamps admission while the loop may read): readers keep their own index.
     events: list[RequestEvent] = field(default_factory=list)
@@ -66,7 +67,15 @@ class RequestState:
         else:
             self.record_event(RequestEventType.FINISHED, error=item)
         self.push(item)
-        asyncio.get_running_loop().call_later(self.keep_finished_s, self._expire)
+        if not self.closed:
+            self._expiry = asyncio.get_running_loop().call_later(self.keep_finished_s, self._expire)
+
+    def close(self) -> None:
+        """The handler is gone: the stall timer (which holds this state) is not needed any more."""
+        self.closed = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     async def deliver(self, write: Awaitable[None]) -> None:
         """Await the handler's send; once the request has finished, at most until keep_finished_s is up."""
@@ -83,6 +92,7 @@ class RequestState:
             self._write = None
 
     def _expire(self) -> None:
+        self._expiry = None
         if self.closed:
             return
         log.warning("request %s: the client left its finished output unread for %.0fs; ending the stream",

@@ -190,7 +190,7 @@ class EngineRunner:
         if not state.done:
             state.record_event(RequestEventType.ABORTED)
         if not state.closed:
-            state.closed = True
+            state.close()
             self._open_streams -= 1
             if self.observer is not None:
                 self.observer.on_finished(state)
