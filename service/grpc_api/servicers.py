@@ -14,7 +14,7 @@ from service.grpc_api.heap import LARGE_REQUEST_BYTES, HeapTrimmer
 from service.grpc_api.security import check_adapter_path
 from service.grpc_api.validation import MAX_NAME_CHARS, validate_generate
 from service.limits import RequestLimits
-from service.runner.request import RequestOutput
+from service.runner.request import GenerationRequest, RequestOutput
 from service.runner.scheduler import EngineRunner
 
 log = logging.getLogger(__name__)
@@ -39,16 +39,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._heap = HeapTrimmer()
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def prepare(self, request: pb.GenerateRequest) -> GenerationRequest:
+        """A GenerateRequest checked against every limit, its text tokenized (both front doors come here)."""
         self._runner.check_capacity()  # RESOURCE_EXHAUSTED / UNAVAILABLE before any work
         if len(request.text) + 4 * len(request.token_ids.ids) >= LARGE_REQUEST_BYTES:
             self._heap.after_large_request()
         prompt_ids = None
         if request.WhichOneof("input") == "text":
-            prompt_ids = await self._encode(request.text)
+            prompt_ids = await self.encode(request.text)
         req = validate_generate(request, prompt_ids, self._limits, self._model)
         if req.adapter is not None and not self._runner.has_adapter(req.adapter):
             raise NotFound("adapter", req.adapter)
+        return req
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        req = await self.prepare(request)
         state = self._runner.add_request(req)
         # Cancellation, deadline or a closed stream: the runner drops the request within one step.
         context.add_done_callback(lambda _ctx: self._runner.abort(state))
@@ -66,7 +71,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         if len(request.text) >= LARGE_REQUEST_BYTES:
             self._heap.after_large_request()
-        ids = await self._encode(request.text, add_special)
+        ids = await self.encode(request.text, add_special)
         return pb.TokenizeResponse(token_ids=ids, tokens=self._runner.token_strings(ids))
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
@@ -78,7 +83,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             eos_token_ids=list(m.eos_token_ids), max_queue=self._runner.limits.max_queue,
         )
 
-    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > self._max_text_chars:
             raise InvalidArgument([FieldViolation("text", (
                 f"the text has {len(text)} characters; a prompt of at most {self._max_prompt} tokens holds at "
