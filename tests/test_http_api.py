@@ -15,9 +15,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from service._proto import pb, pb_grpc
 from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
-from service.telemetry.prometheus import ObserverGroup
+from service.runner.observer_group import ObserverGroup
 from tests.checkpoints import write_chat_template
-from tests.service_harness import ServerThread, build_engine, demo_paths, make_request, shared_engine, wait_for
+from tests.service_harness import (
+    ServerThread,
+    build_engine,
+    demo_paths,
+    make_request,
+    shared_engine,
+    wait_for,
+)
 
 PROMPT = "Once upon a time"
 LIMITS = RequestLimits(max_prompt_tokens=200, max_new_tokens=220)

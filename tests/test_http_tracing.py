@@ -9,7 +9,15 @@ import pytest
 
 from service.grpc_api.server import ServerConfig
 from service.tools.otlp_receiver import GrpcReceiver
-from tests.test_tracing import BASE_ENV, PROMPT, Stack, children, in_trace, linked_steps, traceparent
+from tests.test_tracing import (
+    BASE_ENV,
+    PROMPT,
+    Stack,
+    children,
+    in_trace,
+    linked_steps,
+    traceparent,
+)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import (FailedPrecondition, FieldViolation, InvalidArgument, ServiceError, Unavailable,
-                            status_of)
+from service.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+    status_of,
+)
 from service.grpc_api.interceptors import ServingState
 from service.grpc_api.security import AuthInterceptor, SecurityConfig
 from service.grpc_api.servicers import GenerationServicer
