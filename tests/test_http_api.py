@@ -230,14 +230,33 @@ def test_http_and_grpc_requests_share_engine_steps(served, client):
 
 def test_client_disconnect_mid_stream_frees_the_slot(served, client):
     runner = served.server.runner
-    stream = client.completions.create(model="", prompt=PROMPT, max_tokens=90, temperature=0, stream=True,
+    cancelled = _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled")
+    stream = client.completions.create(model="", prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
     assert runner.num_running == 1
     stream.close()  # closes the connection
     served.wait_idle()
     wait_for(lambda: runner.num_open_streams == 0, what="the stream's handler to end")
+    # Ended by the disconnect, not by its 200 tokens:
+    assert _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled") == cancelled + 1
     assert client.completions.create(model="", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_client_disconnect_while_waiting_for_a_whole_answer_frees_the_slot(served):
+    """Not streaming: the client closes its connection before the answer; the request leaves the batch."""
+    runner = served.server.runner
+    cancelled = _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+    wait_for(lambda: runner.num_running == 1, what="the request to run")
+    conn.close()
+    served.wait_idle()
+    wait_for(lambda: runner.num_open_streams == 0, what="the handler to end")
+    assert runner.engine.num_free_kv_slots == runner.engine.config.max_batch_size
+    # Ended by the disconnect, not by its 200 tokens:
+    assert _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled") == cancelled + 1
 
 
 # --- /metrics -------------------------------------------------------------------------------------------------
