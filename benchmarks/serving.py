@@ -112,10 +112,10 @@ async def one_http_request(client, prompt: list[int], adapter: str | None, max_n
     t0 = last = time.perf_counter()
     try:
         stream = await client.completions.create(model=adapter or "", prompt=prompt, max_tokens=max_new,
-                                                 temperature=0, stream=True, logprobs=0,
-                                                 extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            n = len(chunk.choices[0].logprobs.tokens) if chunk.choices and chunk.choices[0].logprobs else 0
+                                                 temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for chunk in stream:  # (token ids, as the gRPC stream carries them: a chunk may hold several)
+            n = len(chunk.choices[0].model_extra.get("token_ids") or ()) if chunk.choices else 0
             if not n:
                 continue
             now = time.perf_counter()

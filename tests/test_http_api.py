@@ -105,8 +105,10 @@ def test_greedy_completion_equals_the_grpc_stream(served, client, adapter):
     grpc_ids = [t for m in grpc_out for t in m.token_ids]
     assert grpc_ids == served.reference(ids, adapter, 12, ignore_eos=True)
     http = client.completions.create(model=adapter or shared_engine().model_name, prompt=ids, max_tokens=12,
-                                     temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+                                     temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
     choice = http.choices[0]
+    assert choice.model_extra["token_ids"] == grpc_ids
     assert choice.text == "".join(m.text for m in grpc_out)
     assert choice.logprobs.tokens == served.server.runner.token_strings(grpc_ids)  # the same tokens, one by one
     assert choice.logprobs.token_logprobs == pytest.approx([lp for m in grpc_out for lp in m.logprobs])
