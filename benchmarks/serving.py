@@ -161,6 +161,9 @@ def both_doors(grpc_target: str, http_target: str, args, names: list[str]) -> tu
         for door in ("grpc", "http") if r % 2 == 0 else ("http", "grpc"):  # alternate who goes first
             runs[door].append(asyncio.run(run_load(http_target if door == "http" else grpc_target,
                                                    args, names, door)))
+            results = runs[door][-1][0]
+            print(f"round {r + 1} {door}: P95 ITL {1000 * percentile([x for q in results for x in q.itl], 95):.1f} ms, "
+                  f"{sum(q.error is not None for q in results)} failed", flush=True)
     p95 = {}
     for door, done in runs.items():
         print(f"--- {door} door, {len(done)} rounds")
