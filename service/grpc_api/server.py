@@ -4,10 +4,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -30,6 +32,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAMES = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
 
 
+def default_replica_id() -> str:
+    """<hostname>-<pid>: unique among replicas on one host or in one cluster (a pod's hostname is its name)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"     # "0.0.0.0" / "[::]" to accept remote clients (e.g. in a container)
@@ -37,6 +44,8 @@ class ServerConfig:
     grace_period_s: float = 30.0  # drain: how long in-flight streams may take to finish
     limits: RequestLimits = RequestLimits()      # queue, prompt / new tokens, streams, message size, slow readers
     security: SecurityConfig = SecurityConfig()  # tokens, adapter management, TLS
+    # Names this process behind a balancer: x-replica-id on every Generate, OTEL service.instance.id.
+    replica_id: str = field(default_factory=default_replica_id)
 
 
 class LoraServer:
@@ -64,8 +73,8 @@ class LoraServer:
                      *([("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)]
                        if config.limits.max_streams_per_connection else [])],
         )
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.runner, config.limits),
-                                                 self._server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.runner, config.limits,
+                                                                     config.replica_id), self._server)
         pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(self.runner), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
