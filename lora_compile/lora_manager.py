@@ -78,6 +78,12 @@ class LoRAManager:
             return [self._info(n) for n in sorted(self._paths)]
 
     # --- device slots -------------------------------------------------------------------------------
+    def residency(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(adapters in a device slot, adapters whose weights are in host memory), each sorted; lock-free
+        snapshot for metrics (a copy of two small containers)."""
+        device = tuple(sorted(n for n in list(self._adapter_in) if n is not None))
+        return device, tuple(sorted(list(self._host)))
+
     def acquire(self, name: str | None) -> tuple[int, bool] | None:
         """Pin `name` in a device slot, loading it if needed: (slot, whether this call loaded it); None when
         every slot is pinned by others."""

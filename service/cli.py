@@ -24,7 +24,7 @@ def _adapter_arg(value: str) -> tuple[str, str]:
 def serve_parser() -> argparse.ArgumentParser:
     from lora_compile import EngineConfig
     from lora_compile.config import MERGE_MODES
-    from service.grpc_api.server import ServerConfig
+    from service.grpc_api.server import DEFAULT_HTTP_PORT, ServerConfig
     from service.limits import RequestLimits
 
     engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)
@@ -32,7 +32,7 @@ def serve_parser() -> argparse.ArgumentParser:
     server_defaults = ServerConfig()
     p = argparse.ArgumentParser(
         prog="lora-serve",
-        description="Serve one base model and many LoRA adapters over gRPC. "
+        description="Serve one base model and many LoRA adapters over gRPC and OpenAI-compatible HTTP. "
                     "With no --model, serves the embedded demo model and its demo adapters.")
     p.add_argument("--model", help="Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--adapter", action="append", default=[], type=_adapter_arg, metavar="NAME=DIR",
@@ -40,6 +40,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=server_defaults.host,
                    help="address to bind (default: %(default)s; 0.0.0.0 for remote clients)")
     p.add_argument("--port", type=int, default=server_defaults.port, help="default: %(default)s; 0: any free port")
+    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="the OpenAI-compatible HTTP API and /metrics, on --host (default: %(default)s; 0: off)")
     p.add_argument("--max-batch-size", type=int, default=engine_defaults["max_batch_size"],
                    help="requests running at once (KV slots) (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=engine_defaults["max_seq_len"],
@@ -148,9 +150,11 @@ def _server_config(args: argparse.Namespace):
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
         disable_adapter_management=args.disable_adapter_management,
         tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
+    if args.http_port < 0:
+        raise ValueError(f"--http-port must be >= 0 (0: off), got {args.http_port}")
     replica = {"replica_id": args.replica_id} if args.replica_id else {}  # else ServerConfig's default
     return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
-                        limits=limits, security=security, **replica)
+                        limits=limits, security=security, http_port=args.http_port or None, **replica)
 
 
 def serve_main(argv: list[str] | None = None) -> int:

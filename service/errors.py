@@ -143,6 +143,11 @@ def _classify(exc: BaseException) -> tuple[grpc.StatusCode, str, list]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", []
 
 
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, list]:
+    """(status code, message, google.rpc details) of any exception: the one mapping, for both front doors."""
+    return _classify(exc)
+
+
 def to_rpc_status(exc: BaseException) -> grpc.Status:
     code, message, details = _classify(exc)
     packed = []

@@ -4,6 +4,7 @@ Only tests import this module: it needs transformers and peft, which the runtime
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -134,3 +135,11 @@ def reference_greedy(model_dir: str | os.PathLike, prompt_ids: Sequence[int], ma
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     assert len(tokens) == max_new_tokens, f"generate stopped early: {len(tokens)} of {max_new_tokens} tokens"
     return tokens, torch.cat(out.logits, dim=0).float()
+
+
+def write_chat_template(model_dir: str | os.PathLike, template: str) -> None:
+    """Give a checkpoint a chat template, where transformers keeps it (tokenizer_config.json)."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2))

@@ -11,7 +11,11 @@ import grpc
 import pytest
 
 from service._proto import pb_grpc
-from service.affinity import ADAPTER_ID_HEADER, REPLICA_ID_HEADER, adapter_header_problem
+from service.affinity import (
+    ADAPTER_ID_HEADER,
+    REPLICA_ID_HEADER,
+    adapter_header_problem,
+)
 from service.grpc_api.server import ServerConfig, default_replica_id
 from tests.service_harness import ServerThread, make_request, shared_engine
 

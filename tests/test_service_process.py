@@ -26,7 +26,7 @@ class ServeProcess:
         demo_paths()  # written once, before the child reads the same cache
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--no-compile", "--port", "0", "--max-batch-size", "2",
+            [sys.executable, "-m", "service", "--no-compile", "--port", "0", "--http-port", "0", "--max-batch-size", "2",
              "--max-seq-len", "256", "--max-loras-per-batch", "1", *args],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=os.environ | {"PYTHONUNBUFFERED": "1"},

@@ -67,10 +67,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(API_PREFIX):
             return handler
-        refusal = self._check(method, handler_call_details.invocation_metadata)
+        refusal = self.check(method, handler_call_details.invocation_metadata)
         return handler if refusal is None else _refusing(handler, *refusal)
 
-    def _check(self, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
+    def check(self, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
         if method in ADMIN_METHODS:
             if self._config.disable_adapter_management:
                 return (grpc.StatusCode.PERMISSION_DENIED,

@@ -21,10 +21,15 @@ from service._proto import pb, pb_grpc
 from service.grpc_api.interceptors import ErrorInterceptor, ServingState
 from service.grpc_api.security import AuthInterceptor, SecurityConfig
 from service.grpc_api.servicers import AdaptersServicer, GenerationServicer
+from service.http_api.app import HttpDoor, create_app
+from service.http_api.chat_template import load_chat_template
+from service.http_api.server import HttpServer
 from service.limits import RequestLimits
 from service.runner.scheduler import EngineRunner
+from service.telemetry.http_tracing import HttpTracer
 from service.telemetry.interceptor import TracingInterceptor
 from service.telemetry.observer import TelemetryObserver
+from service.telemetry.prometheus import ObserverGroup, PrometheusMetrics
 from service.telemetry.setup import Telemetry
 
 log = logging.getLogger(__name__)
@@ -43,9 +48,15 @@ class ServerConfig:
     port: int = 50051           # 0: any free port (see LoraServer.port)
     grace_period_s: float = 30.0  # drain: how long in-flight streams may take to finish
     limits: RequestLimits = RequestLimits()      # queue, prompt / new tokens, streams, message size, slow readers
-    security: SecurityConfig = SecurityConfig()  # tokens, adapter management, TLS
+    security: SecurityConfig = SecurityConfig()  # tokens, adapter management, TLS (both doors)
+    # The OpenAI-compatible HTTP door on `host` (service/http_api/); None: off, 0: any free port.
+    # (`lora-serve --http-port` defaults to DEFAULT_HTTP_PORT; 0 there means off.)
+    http_port: int | None = None
     # Names this process behind a balancer: x-replica-id on every Generate, OTEL service.instance.id.
     replica_id: str = field(default_factory=default_replica_id)
+
+
+DEFAULT_HTTP_PORT = 8000
 
 
 class LoraServer:
@@ -59,7 +70,11 @@ class LoraServer:
         # Tracing on: the observer builds request and step spans from what the runner and the interceptor report.
         self.observer = (TelemetryObserver(telemetry, self.runner.model_info().model, self.runner.has_adapter)
                          if telemetry is not None else None)
-        self.runner.observer = self.observer
+        # /metrics (the HTTP door): gauges read from the runner when scraped, counters fed like the observer.
+        self.metrics = (PrometheusMetrics(self.runner.stats, self.runner.model_info().model)
+                        if config.http_port is not None else None)
+        observers = [o for o in (self.observer, self.metrics) if o is not None]
+        self.runner.observer = observers[0] if len(observers) == 1 else ObserverGroup(observers) if observers else None
         tracing = [TracingInterceptor(telemetry, self.observer)] if telemetry is not None else []
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
@@ -73,12 +88,26 @@ class LoraServer:
                      *([("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)]
                        if config.limits.max_streams_per_connection else [])],
         )
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.runner, config.limits,
-                                                                     config.replica_id), self._server)
+        self.generation = GenerationServicer(self.runner, config.limits, config.replica_id)
+        pb_grpc.add_GenerationServicer_to_server(self.generation, self._server)
         pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(self.runner), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        self.http: HttpServer | None = None
+        self.http_port: int | None = None
+
+    def _http_door(self) -> HttpServer:
+        """The OpenAI-compatible door: the same runner, servicer (validation, limits), tokens and TLS."""
+        door = HttpDoor(
+            runner=self.runner, generation=self.generation, security=self.config.security,
+            state=lambda: self.state, metrics=self.metrics, max_body_bytes=self.config.limits.max_message_bytes,
+            chat_template=load_chat_template(self.runner.model_dir),
+            tracer=HttpTracer(self.telemetry, self.observer) if self.telemetry is not None else None,
+            replica_id=self.config.replica_id)
+        if door.chat_template is None:
+            log.info("the model has no chat template: /v1/chat/completions answers 400")
+        return HttpServer(create_app(door), self.config.host, self.config.http_port, self.config.security.tls)
 
     @property
     def address(self) -> str:
@@ -94,6 +123,13 @@ class LoraServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.runner.start()
         await self._server.start()
+        if self.config.http_port is not None:
+            self.http = self._http_door()
+            try:
+                self.http_port = await self.http.start()
+            except BaseException:
+                await self.stop()
+                raise
         return self.port
 
     async def warmup(self) -> float:
@@ -132,7 +168,9 @@ class LoraServer:
         self.state = ServingState.DRAINING
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace=grace_s)
-        await self.runner.shutdown()
+        await self.runner.shutdown()  # ends what the HTTP door still streams, then its connections close
+        if self.http is not None:
+            await self.http.stop()
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()
@@ -162,7 +200,9 @@ async def serve(engine: Engine, config: ServerConfig, on_ready: Callable[[LoraSe
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("lora-serve ready on %s", server.address)
+    log.info("lora-serve ready on %s (gRPC)%s", server.address,
+             f" and http{'s' if config.security.tls else ''}://{config.host}:{server.http_port} (OpenAI-compatible HTTP)"
+             if server.http_port else "")
     if on_ready is not None:
         on_ready(server)
     await stop.wait()

@@ -9,13 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from service._proto import pb, pb_grpc
-from service.affinity import ADAPTER_ID_HEADER, REPLICA_ID_HEADER, adapter_header_problem
+from service.affinity import (
+    ADAPTER_ID_HEADER,
+    REPLICA_ID_HEADER,
+    adapter_header_problem,
+)
 from service.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from service.grpc_api.heap import LARGE_REQUEST_BYTES, HeapTrimmer
 from service.grpc_api.security import check_adapter_path
 from service.grpc_api.validation import MAX_NAME_CHARS, validate_generate
 from service.limits import RequestLimits
-from service.runner.request import RequestOutput
+from service.runner.request import GenerationRequest, RequestOutput
 from service.runner.scheduler import EngineRunner
 
 log = logging.getLogger(__name__)
@@ -41,19 +45,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._heap = HeapTrimmer()
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self._replica_metadata:  # first, so a refusal below also names the replica that refused
-            await context.send_initial_metadata(self._replica_metadata)
+    async def prepare(self, request: pb.GenerateRequest) -> GenerationRequest:
+        """A GenerateRequest checked against every limit, its text tokenized (both front doors come here)."""
         self._runner.check_capacity()  # RESOURCE_EXHAUSTED / UNAVAILABLE before any work
-        self._check_adapter_header(request, context)
         if len(request.text) + 4 * len(request.token_ids.ids) >= LARGE_REQUEST_BYTES:
             self._heap.after_large_request()
         prompt_ids = None
         if request.WhichOneof("input") == "text":
-            prompt_ids = await self._encode(request.text)
+            prompt_ids = await self.encode(request.text)
         req = validate_generate(request, prompt_ids, self._limits, self._model)
         if req.adapter is not None and not self._runner.has_adapter(req.adapter):
             raise NotFound("adapter", req.adapter)
+        return req
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self._replica_metadata:  # first, so a refusal below also names the replica that refused
+            await context.send_initial_metadata(self._replica_metadata)
+        self._check_adapter_header(request, context)
+        req = await self.prepare(request)
         state = self._runner.add_request(req)
         # Cancellation, deadline or a closed stream: the runner drops the request within one step.
         context.add_done_callback(lambda _ctx: self._runner.abort(state))
@@ -80,7 +89,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         if len(request.text) >= LARGE_REQUEST_BYTES:
             self._heap.after_large_request()
-        ids = await self._encode(request.text, add_special)
+        ids = await self.encode(request.text, add_special)
         return pb.TokenizeResponse(token_ids=ids, tokens=self._runner.token_strings(ids))
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
@@ -92,7 +101,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             eos_token_ids=list(m.eos_token_ids), max_queue=self._runner.limits.max_queue,
         )
 
-    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > self._max_text_chars:
             raise InvalidArgument([FieldViolation("text", (
                 f"the text has {len(text)} characters; a prompt of at most {self._max_prompt} tokens holds at "

@@ -39,6 +39,21 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """What the scheduler holds right now (read by /metrics at scrape time)."""
+
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int          # tokens held by the running sequences (prompt + output so far)
+    kv_capacity_tokens: int      # max_batch_size * max_seq_len: every KV slot full
+    max_loras: int               # adapters a batch may hold (device slots)
+    running_adapters: tuple[str, ...]
+    waiting_adapters: tuple[str, ...]
+    device_adapters: tuple[str, ...]   # adapters in a device slot now
+    host_adapters: tuple[str, ...]     # registered adapters whose weights sit in host memory
+
+
 @dataclass
 class IterationResult:
     admitted: list[RequestState]
@@ -214,6 +229,25 @@ class EngineRunner:
     @property
     def num_open_streams(self) -> int:
         return self._open_streams
+
+    @property
+    def model_dir(self) -> str:
+        """The model's directory (tokenizer_config.json: the chat template)."""
+        return self.engine.config.model
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot for metrics; cheap (no engine call), read on the event loop."""
+        cfg, adapters = self.engine.config, self.engine.adapters
+        running = [s for s in self._running if not s.done]
+        waiting = [s for s in self._waiting if not s.aborted]
+        device, host = adapters.residency()
+        return SchedulerStats(
+            num_running=len(running), num_waiting=len(waiting),
+            kv_used_tokens=sum(len(s.seq.prompt_ids) + len(s.seq.output_ids) for s in running),
+            kv_capacity_tokens=cfg.max_batch_size * cfg.max_seq_len, max_loras=cfg.max_loras_per_batch,
+            running_adapters=tuple(sorted({s.request.adapter for s in running if s.request.adapter})),
+            waiting_adapters=tuple(sorted({s.request.adapter for s in waiting if s.request.adapter})),
+            device_adapters=device, host_adapters=host)
 
     # --- the loop -----------------------------------------------------------------------------------
     def _wake(self) -> None:

@@ -52,6 +52,11 @@ def current_call() -> CallSpan | None:
     return _CALL.get()
 
 
+def enter_call(call: CallSpan) -> None:
+    """Make `call` the current call of this context (the HTTP door's requests: http_tracing.py)."""
+    _CALL.set(call)
+
+
 class TracingInterceptor(grpc.aio.ServerInterceptor):
     """Put first in the interceptor list, and `inner` last."""
 

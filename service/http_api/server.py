@@ -1,0 +1,86 @@
+"""uvicorn serving the HTTP door as a task on the event loop the grpc.aio server runs on (one loop, one runner).
+
+The socket is bound here (not by uvicorn, which exits the process when a bind fails), so a taken port is an
+OSError at start like the gRPC port's, and port 0 reports the port it got. Signals stay with lora-serve: SIGTERM
+drains both doors (grpc_api/server.py), then this server stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Generator
+
+import uvicorn
+
+from service.grpc_api.security import TlsConfig
+
+log = logging.getLogger(__name__)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # lora-serve's own handlers drain both doors
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port ("[::]" and "::1" are IPv6; "0.0.0.0" every IPv4 address)."""
+    host = host.strip("[]")
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (not SO_REUSEPORT: a taken port must fail)
+        if family == socket.AF_INET6 and host in ("::", ""):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    def __init__(self, app, host: str, port: int, tls: TlsConfig | None = None):
+        self._app, self._host, self._requested_port, self._tls = app, host, port, tls
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        sock = bind(self._host, self._requested_port)
+        self.port = sock.getsockname()[1]
+        tls = self._tls
+        config = uvicorn.Config(
+            self._app, lifespan="off", log_config=None, access_log=False, timeout_graceful_shutdown=1,
+            ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None,
+            ssl_ca_certs=tls.client_ca_file if tls else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.client_ca_file else ssl.CERT_NONE)
+        self._server = _EmbeddedServer(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-server")
+        while not self._server.started:  # the listener is up within a loop turn or two
+            if self._task.done():
+                sock.close()
+                self._task.result()  # raises what stopped it
+                raise OSError(f"the HTTP server on {self._host}:{self.port} stopped at start")
+            await asyncio.sleep(0.005)
+        return self.port
+
+    async def stop(self) -> None:
+        """Close the listener and the connections (the runner has ended the requests first)."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), 5.0)
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            self._task.cancel()
+        except BaseException:  # noqa: BLE001 - uvicorn's SystemExit on a failed start: already logged
+            pass
+        await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,150 @@
+"""Prometheus metrics for `/metrics` (the HTTP door), in the `lora_serve:` namespace: the model-server protocol of
+the Gateway API Inference Extension (queue, running, KV-cache use, LoRA state in vLLM's `lora_requests_info`
+format) and vLLM's request counters and latency histograms.
+
+Two sources, neither of which steers anything:
+  - gauges are read from the scheduler at scrape time (`EngineRunner.stats()`), so they are exact when scraped;
+  - counters and histograms are fed by the runner's observer hooks (`on_finished`: the request's lifecycle events).
+One registry per server (a process may run several, as the tests do). The OTLP metrics of observer.py are
+independent of these and keep working.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from service.runner.request import RequestEventType
+from service.telemetry.setup import never_raise
+
+if TYPE_CHECKING:
+    from service.runner.request_state import RequestState
+    from service.runner.scheduler import IterationResult, SchedulerStats
+
+disable_created_metrics()  # no `_created` series beside every counter and histogram (vLLM does the same)
+PREFIX = "lora_serve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets for the same histograms.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class _SchedulerCollector(Collector):
+    """Gauges from a scheduler snapshot, taken when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str):
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        s = self._stats()
+        model = ["model_name"], [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=model[0])
+            g.add_metric(model[1], value)
+            return g
+
+        yield gauge("num_requests_running", "Requests in the running batch", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be admitted", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache use: tokens held by running requests / token capacity (0..1)",
+                    s.kv_used_tokens / s.kv_capacity_tokens if s.kv_capacity_tokens else 0.0)
+        # vLLM's format, read by the endpoint picker: the value is the time of the snapshot.
+        info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(s.max_loras), ",".join(s.running_adapters), ",".join(s.waiting_adapters)], time.time())
+        yield info
+        resident = GaugeMetricFamily(PREFIX + "lora_adapter_resident",
+                                     "1 for each adapter held in a tier: device (a LoRA slot) or host (memory)",
+                                     labels=["adapter", "tier"])
+        for tier, names in (("device", s.device_adapters), ("host", s.host_adapters)):
+            for name in names:
+                resident.add_metric([name, tier], 1.0)
+        yield resident
+
+
+class PrometheusMetrics:
+    """The registry behind `/metrics`, and a RunnerObserver that feeds its counters and histograms."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_SchedulerCollector(stats, model_name))
+        labels = {"labelnames": ["model_name"], "registry": self.registry}
+        self._model = model_name
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", **labels)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", **labels)
+        self.request_success = Counter(PREFIX + "request_success", "Requests that ended, by finish reason "
+                                       "(length, stop, eos, cancelled)",
+                                       labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=_TTFT_BUCKETS, **labels)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_TPOT_BUCKETS, **labels)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token",
+                             buckets=_E2E_BUCKETS, **labels)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # --- RunnerObserver ----------------------------------------------------------------------------
+    def on_added(self, state: RequestState) -> None:
+        pass
+
+    def on_iteration(self, result: IterationResult) -> None:
+        pass
+
+    @never_raise
+    def on_finished(self, state: RequestState) -> None:
+        queued = first = finished = None
+        reason, aborted = None, False
+        for event in list(state.events):
+            if event.type is RequestEventType.QUEUED:
+                queued = event.time_ns
+            elif event.type is RequestEventType.FIRST_TOKEN:
+                first = event.time_ns
+            elif event.type is RequestEventType.FINISHED:
+                finished = event.time_ns
+                reason = (event.fields or {}).get("finish_reason")  # None: the request failed
+            elif event.type is RequestEventType.ABORTED:
+                aborted = True
+        model = self._model
+        generated = len(state.seq.output_ids)
+        if first is not None:  # admitted and prefilled: its prompt was computed
+            self.prompt_tokens.labels(model).inc(len(state.request.prompt_ids))
+            self.ttft.labels(model).observe((first - queued) / 1e9)
+        self.generation_tokens.labels(model).inc(generated)
+        if reason is None and aborted:
+            reason = "cancelled"
+        if reason is None:
+            return  # an error: not a success of any kind
+        self.request_success.labels(model, reason).inc()
+        if finished is not None and queued is not None:
+            self.e2e.labels(model).observe((finished - queued) / 1e9)
+            if first is not None and generated > 1:
+                self.tpot.labels(model).observe((finished - first) / 1e9 / (generated - 1))
+
+
+class ObserverGroup:
+    """Several RunnerObservers behind the runner's one hook (tracing and Prometheus)."""
+
+    def __init__(self, observers: Iterable[object]):
+        self.observers = [o for o in observers if o is not None]
+
+    def on_added(self, state: RequestState) -> None:
+        for o in self.observers:
+            o.on_added(state)
+
+    def on_iteration(self, result: IterationResult) -> None:
+        for o in self.observers:
+            o.on_iteration(result)
+
+    def on_finished(self, state: RequestState) -> None:
+        for o in self.observers:
+            o.on_finished(state)

@@ -1,0 +1,289 @@
+"""The OpenAI-compatible HTTP door, driven by the official `openai` client (and raw HTTP for bad input) against
+a real server over loopback: the same tokens as the gRPC door, the same batch, the same limits and errors."""
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import threading
+
+import grpc
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service._proto import pb, pb_grpc
+from service.grpc_api.server import ServerConfig
+from service.limits import RequestLimits
+from service.telemetry.prometheus import ObserverGroup
+from tests.checkpoints import write_chat_template
+from tests.service_harness import ServerThread, build_engine, demo_paths, make_request, shared_engine, wait_for
+
+PROMPT = "Once upon a time"
+LIMITS = RequestLimits(max_prompt_tokens=200, max_new_tokens=220)
+# Roles on lines, as many small chat models do; unknown roles are refused through raise_exception.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _openai(server: ServerThread, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused",
+                         max_retries=0, timeout=60, **kwargs)
+
+
+def _raw(server: ServerThread, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict, dict[str, str]]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        data = response.read()
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            parsed = {"raw": data.decode(errors="replace")}
+        return response.status, parsed, {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, grace_period_s=10.0, limits=LIMITS))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with _openai(served) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def chat_served(tmp_path_factory):
+    """A copy of the demo model with a chat template (the demo model has none)."""
+    model, adapters = demo_paths()
+    copy = tmp_path_factory.mktemp("chat-model") / "demo-chat"
+    shutil.copytree(model, copy)
+    write_chat_template(copy, CHAT_TEMPLATE)
+    server = ServerThread(build_engine(copy, {"pirate": adapters["pirate"]}), ServerConfig(port=0, http_port=0))
+    yield server
+    server.stop()
+
+
+def _grpc_stream(server: ServerThread, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    with grpc.insecure_channel(server.target) as channel:
+        return list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+
+
+# --- the happy paths ---------------------------------------------------------------------------------------
+def test_models_lists_the_base_and_every_adapter(served, client):
+    models = {m.id: m for m in client.models.list().data}
+    base = shared_engine().model_name
+    assert set(models) == {base, "pirate", "poet", "scribe"}
+    assert models[base].parent is None  # (extra fields are kept by the client's models)
+    assert {models[a].parent for a in ("pirate", "poet", "scribe")} == {base}
+
+
+@pytest.mark.parametrize("adapter", [None, "pirate"])
+def test_greedy_completion_equals_the_grpc_stream(served, client, adapter):
+    ids = served.engine.tokenizer.encode(PROMPT)
+    grpc_out = _grpc_stream(served, make_request(None, token_ids__ids=ids, adapter=adapter or "",
+                                                 stopping__max_new_tokens=12, stopping__ignore_eos=True,
+                                                 response__logprobs=True))
+    grpc_ids = [t for m in grpc_out for t in m.token_ids]
+    assert grpc_ids == served.reference(ids, adapter, 12, ignore_eos=True)
+    http = client.completions.create(model=adapter or shared_engine().model_name, prompt=ids, max_tokens=12,
+                                     temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+    choice = http.choices[0]
+    assert choice.text == "".join(m.text for m in grpc_out)
+    assert choice.logprobs.tokens == served.server.runner.token_strings(grpc_ids)  # the same tokens, one by one
+    assert choice.logprobs.token_logprobs == pytest.approx([lp for m in grpc_out for lp in m.logprobs])
+    assert choice.finish_reason == "length"
+    assert (http.usage.prompt_tokens, http.usage.completion_tokens) == (len(ids), 12)
+    # A text prompt is tokenized as the gRPC door tokenizes it: the same answer.
+    again = client.completions.create(model=adapter or "", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == choice.text
+    served.wait_idle()
+
+
+def test_streaming_completion_ends_with_done_and_usage(served, client):
+    whole = client.completions.create(prompt=PROMPT, max_tokens=10, temperature=0, model="poet",
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(prompt=PROMPT, max_tokens=10, temperature=0, model="poet", stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finished == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10  # the usage chunk comes last
+    status, body, headers = _raw(served, "POST", "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": 3, "stream": True}).encode())
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert body["raw"].rstrip().endswith("data: [DONE]")
+
+
+def test_sampling_fields_reach_the_engine(served, client):
+    """seed: the same seed, the same tokens; stop: the text ends before the stop string, stop_reason says it."""
+    kwargs = dict(model="", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
+                  extra_body={"top_k": 20, "repetition_penalty": 1.1, "ignore_eos": True})
+    first, second = (client.completions.create(**kwargs).choices[0].text for _ in range(2))
+    assert first == second
+    greedy = client.completions.create(model="", prompt=PROMPT, max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    stop = greedy[4:6]
+    assert stop and stop not in greedy[:4]
+    stopped = client.completions.create(model="", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "zzz"])
+    assert stopped.choices[0].text == greedy[:greedy.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.model_extra is not None and stopped.choices[0].model_extra["stop_reason"] == stop
+
+
+# --- chat -----------------------------------------------------------------------------------------------------
+def test_chat_uses_the_models_template_as_transformers_renders_it(chat_served):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story"}]
+    model_dir = chat_served.engine.config.model
+    rendered = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)
+    ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    expected = chat_served.reference(ids, "pirate", 8, ignore_eos=True)
+    with _openai(chat_served) as c:
+        reply = c.chat.completions.create(model="pirate", messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+        assert reply.usage.prompt_tokens == len(ids)
+        assert [t.token for t in reply.choices[0].logprobs.content] == chat_served.server.runner.token_strings(expected)
+        assert all(len(t.top_logprobs) == 2 for t in reply.choices[0].logprobs.content)
+        assert reply.choices[0].message.role == "assistant"
+        stream = list(c.chat.completions.create(model="pirate", messages=messages, max_tokens=8, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        assert stream[0].choices[0].delta.role == "assistant"
+        assert "".join(s.choices[0].delta.content or "" for s in stream) == reply.choices[0].message.content
+        with pytest.raises(openai.BadRequestError) as info:  # the template's own refusal
+            c.chat.completions.create(model="pirate", messages=[{"role": "wizard", "content": "hi"}])
+        assert "unknown role wizard" in info.value.message
+    chat_served.wait_idle()
+
+
+def test_chat_without_a_template_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}])
+    assert "has no chat template" in info.value.message
+
+
+# --- one batch, two doors -----------------------------------------------------------------------------------
+class _StepRecorder:
+    """Records the request ids of every engine step (an observer beside the server's own)."""
+
+    def __init__(self):
+        self.steps: list[set[str]] = []
+
+    def on_added(self, state):
+        pass
+
+    def on_iteration(self, result):
+        if result.step is not None:
+            self.steps.append({s.request.request_id for s in result.stepped})
+
+    def on_finished(self, state):
+        pass
+
+
+def test_http_and_grpc_requests_share_engine_steps(served, client):
+    runner = served.server.runner
+    recorder = _StepRecorder()
+    own = runner.observer
+    runner.observer = ObserverGroup([own, recorder])
+    try:
+        grpc_done = threading.Event()
+
+        def grpc_side():
+            _grpc_stream(served, make_request(PROMPT, request_id="from-grpc", stopping__max_new_tokens=40,
+                                              stopping__ignore_eos=True))
+            grpc_done.set()
+
+        thread = threading.Thread(target=grpc_side)
+        thread.start()
+        wait_for(lambda: any("from-grpc" in s for s in recorder.steps), what="the gRPC request's first step")
+        http = client.completions.create(model="", prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True},
+                                         extra_headers={"x-request-id": "from-http"})
+        thread.join(60)
+        assert http.id == "from-http" and grpc_done.is_set()
+    finally:
+        runner.observer = own
+    shared = [s for s in recorder.steps if {"from-grpc", "from-http"} <= s]
+    assert shared, recorder.steps  # the HTTP request ran in steps of the gRPC one
+    served.wait_idle()
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(served, client):
+    runner = served.server.runner
+    stream = client.completions.create(model="", prompt=PROMPT, max_tokens=90, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert runner.num_running == 1
+    stream.close()  # closes the connection
+    served.wait_idle()
+    wait_for(lambda: runner.num_open_streams == 0, what="the stream's handler to end")
+    assert client.completions.create(model="", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+# --- /metrics -------------------------------------------------------------------------------------------------
+def _metrics(server: ServerThread) -> dict[str, list]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    samples: dict[str, list] = {}  # by sample name (a counter's family drops its _total)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def _value(families: dict, name: str, **labels) -> float:
+    return sum(s.value for s in families.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_metrics_reflect_a_known_load(served):
+    """8 requests on `pirate` fill the batch (running), 2 on `poet` wait; the gauges and the LoRA info say so;
+    when they end, the counters have counted them."""
+    before = _metrics(served)
+    batch = served.engine.config.max_batch_size
+    runner = served.server.runner
+    channel = grpc.insecure_channel(served.target)
+    stub = pb_grpc.GenerationStub(channel)
+    calls = []  # (a unary-stream call starts when made)
+    for i in range(batch + 2):
+        calls.append(stub.Generate(make_request(PROMPT, adapter="pirate" if i < batch else "poet",
+                                                stopping__max_new_tokens=200, stopping__ignore_eos=True)))
+        if i == batch - 1:
+            wait_for(lambda: runner.num_running == batch, what="a full batch")
+    wait_for(lambda: runner.num_waiting == 2, what="two waiting requests")
+    families = _metrics(served)
+    assert _value(families, "lora_serve:num_requests_running") == batch
+    assert _value(families, "lora_serve:num_requests_waiting") == 2
+    assert 0 < _value(families, "lora_serve:kv_cache_usage_perc") <= 1
+    (info,) = families["lora_serve:lora_requests_info"]
+    assert info.labels == {"max_lora": str(served.engine.config.max_loras_per_batch),
+                           "running_lora_adapters": "pirate", "waiting_lora_adapters": "poet"}
+    assert _value(families, "lora_serve:lora_adapter_resident", adapter="pirate", tier="device") == 1
+    for call in calls:
+        call.cancel()
+    channel.close()
+    served.wait_idle()
+    wait_for(lambda: runner.num_open_streams == 0, what="every stream to close")
+    after = _metrics(served)
+    assert _value(after, "lora_serve:num_requests_running") == _value(after, "lora_serve:num_requests_waiting") == 0
+    assert _value(after, "lora_serve:request_success_total", finished_reason="cancelled") - _value(
+        before, "lora_serve:request_success_total", finished_reason="cancelled") == batch + 2
+    assert _value(after, "lora_serve:prompt_tokens_total") > _value(before, "lora_serve:prompt_tokens_total")
+    assert (_value(after, "lora_serve:time_to_first_token_seconds_count")
+            - _value(before, "lora_serve:time_to_first_token_seconds_count")) == batch
+    (info,) = after["lora_serve:lora_requests_info"]
+    assert info.labels["running_lora_adapters"] == info.labels["waiting_lora_adapters"] == ""
