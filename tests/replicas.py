@@ -27,10 +27,10 @@ def free_port() -> int:
 class Replica:
     """`python -m service` on a fixed loopback port (HAProxy's config names it), eager (fast start on 2 cores)."""
 
-    def __init__(self, replica_id: str, port: int, model: Path, adapters: dict[str, Path], *extra: str):
-        self.replica_id, self.port = replica_id, port
-        self.args = [sys.executable, "-m", "service", "--no-compile", "--host", "127.0.0.1", "--port", str(port),
-                     "--replica-id", replica_id, "--model", str(model),
+    def __init__(self, replica_id: str, ports: tuple[int, int], model: Path, adapters: dict[str, Path], *extra: str):
+        self.replica_id, (self.port, self.http_port) = replica_id, ports
+        self.args = [sys.executable, "-m", "service", "--no-compile", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--http-port", str(self.http_port), "--replica-id", replica_id, "--model", str(model),
                      *[a for name, path in adapters.items() for a in ("--adapter", f"{name}={path}")], *extra]
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
@@ -70,16 +70,21 @@ class Replica:
             self.proc.wait(10)
 
 
-def render_haproxy_config(servers: dict[str, int], port: int, stats_socket: Path) -> str:
-    """The shipped config with loopback addresses: our port, our servers, no Docker DNS."""
+def render_haproxy_config(servers: dict[str, tuple[int, int]], ports: tuple[int, int], stats_socket: Path) -> str:
+    """The shipped config with loopback addresses and no Docker DNS. `servers`: name → (gRPC port, HTTP port);
+    `ports`: HAProxy's own (gRPC, HTTP). Each backend keeps its server order, only the addresses change."""
     text = HAPROXY_CFG.read_text()
-    text = re.sub(r"(?m)^  bind :50051 ", f"  bind 127.0.0.1:{port} ", text)
+    text = re.sub(r"(?m)^  bind :50051 ", f"  bind 127.0.0.1:{ports[0]} ", text)
+    text = re.sub(r"(?m)^  bind :8000$", f"  bind 127.0.0.1:{ports[1]}", text)
     text = re.sub(r"(?m)^  stats socket \S+", f"  stats socket {stats_socket}", text)
     text = re.sub(r"(?ms)^resolvers docker\n.*?\n\n", "", text)
     text = text.replace(" resolvers docker", "")
-    lines = [line for line in text.splitlines() if not line.startswith("  server ")]
-    lines += [f"  server {name} 127.0.0.1:{p}" for name, p in servers.items()]
-    return "\n".join(lines) + "\n"
+
+    def server(m: re.Match) -> str:
+        door = {"50051": 0, "8000": 1}[m[2]]
+        return f"  server {m[1]} 127.0.0.1:{servers[m[1]][door]}" if m[1] in servers else ""
+    text = re.sub(r"(?m)^  server (\S+) \S+:(\d+)$", server, text)
+    return re.sub(r"\n\n+(?=  )", "\n", text)
 
 
 def check_timing(text: str | None = None) -> dict[str, float]:
@@ -98,14 +103,14 @@ def _seconds(value: str) -> float:
 
 
 class HAProxy:
-    def __init__(self, servers: dict[str, int], workdir: Path):
+    def __init__(self, servers: dict[str, tuple[int, int]], workdir: Path):
         binary = shutil.which("haproxy")
         if binary is None:
             raise AssertionError("haproxy is not installed: scripts/setup.sh installs it (apt-get install haproxy)")
-        self.port = free_port()
+        self.port, self.http_port = free_port(), free_port()
         self.socket = workdir / "haproxy.sock"
         self.config = workdir / "haproxy.cfg"
-        self.config.write_text(render_haproxy_config(servers, self.port, self.socket))
+        self.config.write_text(render_haproxy_config(servers, (self.port, self.http_port), self.socket))
         self.timing = check_timing(self.config.read_text())
         checked = subprocess.run([binary, "-c", "-q", "-f", str(self.config)], capture_output=True, text=True)
         assert checked.returncode == 0, checked.stderr
@@ -118,6 +123,10 @@ class HAProxy:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
     def command(self, line: str) -> str:
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(self.socket))
@@ -127,23 +136,23 @@ class HAProxy:
                 out += chunk
         return out.decode()
 
-    def states(self) -> dict[str, str]:
-        """Server name → "UP", "DOWN", "UP 1/2", ... from `show stat`."""
+    def states(self, backend: str = "replicas") -> dict[str, str]:
+        """Server name → "UP", "DOWN", "UP 1/2", ... in `backend` ("replicas": gRPC, "openai": HTTP)."""
         rows = [r.split(",") for r in self.command("show stat").splitlines() if r and not r.startswith("#")]
-        return {r[1]: r[17] for r in rows if r[0] == "replicas" and r[1] not in ("FRONTEND", "BACKEND")}
+        return {r[1]: r[17] for r in rows if r[0] == backend and r[1] not in ("FRONTEND", "BACKEND")}
 
-    def wait_state(self, name: str, state: str, timeout: float) -> float:
-        """Until `name` is `state`; returns the seconds it took."""
+    def wait_state(self, name: str, state: str, timeout: float, backend: str = "replicas") -> float:
+        """Until `name` is `state` in `backend`; returns the seconds it took."""
         t0 = time.monotonic()
-        while (current := self._states_or_none().get(name)) != state:
+        while (current := self._states_or_none(backend).get(name)) != state:
             if time.monotonic() - t0 > timeout:
                 raise AssertionError(f"{name} is {current}, not {state}, after {timeout:.1f}s")
             time.sleep(0.02)
         return time.monotonic() - t0
 
-    def _states_or_none(self) -> dict[str, str]:
+    def _states_or_none(self, backend: str) -> dict[str, str]:
         try:
-            return self.states()
+            return self.states(backend)
         except OSError:  # the socket is not there yet
             return {}
 

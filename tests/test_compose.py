@@ -261,10 +261,18 @@ def test_scale_profile_haproxy_routes_to_exactly_the_replicas(compose):
     assert haproxy["profiles"] == ["scale"] and re.fullmatch(r"haproxy:\d+\.\d+(\.\d+)?", haproxy["image"])
     mount = next(v for v in haproxy["volumes"] if v.endswith("/usr/local/etc/haproxy/haproxy.cfg:ro"))
     config = (ROOT / mount.split(":")[0]).read_text()
-    servers = dict(re.findall(r"(?m)^  server (\S+) (\S+)$", config))
-    assert sorted(servers.values()) == sorted(f"{name}:50051" for name in _replicas(compose))
+    from service.cli import _server_config, serve_parser
+
+    addresses = re.findall(r"(?m)^  server \S+ (\S+)$", config)
+    # Each replica's both doors, on the ports its flags give it.
+    expected = []
+    for name, service in _replicas(compose).items():
+        config_ = _server_config(serve_parser().parse_args(service["command"][1:]))
+        expected += [f"{name}:{config_.port}", f"{name}:{config_.http_port}"]
+    assert sorted(addresses) == sorted(expected) and len(addresses) == 2 * len(_replicas(compose))
     assert set(haproxy["depends_on"]) == set(_replicas(compose))
     assert "50051:50051" in haproxy["ports"] and re.search(r"(?m)^  bind :50051 proto h2$", config)
+    assert "8000:8000" in haproxy["ports"] and re.search(r"(?m)^  bind :8000$", config)
     assert "balance hdr(x-adapter-id)" in config and "hash-type consistent" in config
     assert "nameserver dns 127.0.0.11:53" in config  # Docker's DNS: a restarted replica's new address is found
     # The documented command frees port 50051 from the single server.
