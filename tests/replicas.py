@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +28,10 @@ def free_port() -> int:
 class Replica:
     """`python -m service` on a fixed loopback port (HAProxy's config names it), eager (fast start on 2 cores)."""
 
-    def __init__(self, replica_id: str, ports: tuple[int, int], model: Path, adapters: dict[str, Path], *extra: str):
+    def __init__(self, replica_id: str, ports: tuple[int, int], model: Path, adapters: dict[str, Path], *extra: str,
+                 env: dict[str, str] | None = None):
         self.replica_id, (self.port, self.http_port) = replica_id, ports
+        self.env = env or {}
         self.args = [sys.executable, "-m", "service", "--no-compile", "--host", "127.0.0.1", "--port", str(self.port),
                      "--http-port", str(self.http_port), "--replica-id", replica_id, "--model", str(model),
                      *[a for name, path in adapters.items() for a in ("--adapter", f"{name}={path}")], *extra]
@@ -39,7 +42,7 @@ class Replica:
     def start(self) -> Replica:
         self.lines, self.ready = [], threading.Event()
         self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"} | self.env)
         threading.Thread(target=self._read, args=(self.proc, self.lines, self.ready), daemon=True).start()
         return self
 
@@ -103,14 +106,15 @@ def _seconds(value: str) -> float:
 
 
 class HAProxy:
-    def __init__(self, servers: dict[str, tuple[int, int]], workdir: Path):
+    def __init__(self, servers: dict[str, tuple[int, int]], workdir: Path, edit: Callable[[str], str] = str):
+        """`edit`: applied to the rendered config (e.g. a benchmark's round-robin variant)."""
         binary = shutil.which("haproxy")
         if binary is None:
             raise AssertionError("haproxy is not installed: scripts/setup.sh installs it (apt-get install haproxy)")
         self.port, self.http_port = free_port(), free_port()
         self.socket = workdir / "haproxy.sock"
         self.config = workdir / "haproxy.cfg"
-        self.config.write_text(render_haproxy_config(servers, (self.port, self.http_port), self.socket))
+        self.config.write_text(edit(render_haproxy_config(servers, (self.port, self.http_port), self.socket)))
         self.timing = check_timing(self.config.read_text())
         checked = subprocess.run([binary, "-c", "-q", "-f", str(self.config)], capture_output=True, text=True)
         assert checked.returncode == 0, checked.stderr
