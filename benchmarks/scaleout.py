@@ -1,6 +1,6 @@
 """Scale-out: adapter loads per request through HAProxy, 3 replicas with adapter affinity vs round-robin vs 1.
 
-    python -m benchmarks.scaleout [--adapters 24 --zipf 1.0 --requests 240 --concurrency 6 --rounds 2]
+    python -m benchmarks.scaleout [--adapters 12 --zipf 1.0 --requests 90 --concurrency 6 --rounds 2]
 
 Real processes on loopback: 3 lora-serve replicas (eager, the demo model's shape, random LoRA adapters) and three
 HAProxy instances in front of them, run side by side on the same Zipf-distributed request sequence:
@@ -70,13 +70,16 @@ def wait_exported(sinks: dict[str, OtlpSink], expected: Counter, timeout: float 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--adapters", type=int, default=24)
+    p.add_argument("--adapters", type=int, default=12)
     p.add_argument("--zipf", type=float, default=1.0)
-    p.add_argument("--requests", type=int, default=240, help="per scenario and round")
+    p.add_argument("--requests", type=int, default=90, help="per scenario and round")
     p.add_argument("--concurrency", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=2)
     p.add_argument("--max-loras-per-batch", type=int, default=4, help="device adapter slots per replica")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="rounds run first and not counted: the first use of each adapter on each replica is a load "
+                        "whatever the routing")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
@@ -105,24 +108,29 @@ def main() -> None:
             "3, round-robin": (ports, lambda cfg: cfg.replace("balance hdr(x-adapter-id)", "balance roundrobin")),
         }
         for label, (servers, edit) in scenarios.items():
-            (work / label).mkdir()
-            proxies[label] = HAProxy(servers, work / label, edit)
+            where = work / label.replace(" ", "").replace(",", "-")  # (a path HAProxy's config can name)
+            where.mkdir()
+            proxies[label] = HAProxy(servers, where, edit)
             for name in servers:
                 proxies[label].wait_state(name, "UP", proxies[label].up_within())
         totals = {label: Counter() for label in scenarios}
-        for rnd in range(args.rounds):
+        for rnd in range(-args.warmup_rounds, args.rounds):
             sequence = zipf_adapters(names, args.requests, args.zipf, args.seed + rnd)
             for label, proxy in proxies.items():
                 before_q, before_l = count_spans(sinks, "queue"), count_spans(sinks, "adapter.load")
                 served, wall = asyncio.run(run_load(proxy.target, sequence, args.concurrency, args.max_new_tokens))
                 wait_exported(sinks, before_q + served)
                 loads = count_spans(sinks, "adapter.load") - before_l
+                if rnd < 0:
+                    print(f"warm-up {label:15s}: {sum(loads.values()):4d} loads / {sum(served.values())} requests")
+                    continue
                 totals[label].update({"requests": sum(served.values()), "loads": sum(loads.values()), "wall": wall})
                 print(f"round {rnd + 1} {label:15s}: {sum(loads.values()):4d} loads / {sum(served.values())} requests, "
                       f"{wall:5.1f} s; per replica {dict(sorted(served.items()))}", flush=True)
         print(f"\n{platform.processor() or platform.machine()}, {args.adapters} adapters zipf {args.zipf}, "
               f"{args.max_loras_per_batch} device slots per replica, concurrency {args.concurrency}, "
-              f"{args.rounds} rounds x {args.requests} requests per scenario (alternated)")
+              f"{args.rounds} rounds x {args.requests} requests per scenario (alternated, after {args.warmup_rounds} "
+              "uncounted warm-up rounds)")
         print("| scenario | adapter loads per request | vs 3, affinity | requests/s |")
         print("|---|---|---|---|")
         affinity = totals["3, affinity"]["loads"] / totals["3, affinity"]["requests"]
