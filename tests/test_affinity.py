@@ -25,7 +25,7 @@ REPLICA = "replica-a"
 
 @pytest.fixture(scope="module")
 def served():
-    server = ServerThread(shared_engine(), ServerConfig(port=0, grace_period_s=10.0, replica_id=REPLICA))
+    server = ServerThread(shared_engine(), ServerConfig(port=0, grace_period_s=10.0, replica_id=REPLICA, http_port=0))
     yield server
     server.stop()
 
@@ -121,3 +121,26 @@ def test_replica_id_flag_default_and_otel_resource(monkeypatch):
     telemetry = setup_telemetry(instance_id="r7")
     assert telemetry.tracer_provider.resource.attributes["service.instance.id"] == "pod-3"
     telemetry.shutdown()
+
+
+def _http(served, method: str, path: str, body: dict | None = None, headers: dict | None = None):
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=30)
+    conn.request(method, path, json.dumps(body) if body is not None else None,
+                 {"content-type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    return resp, json.loads(resp.read())
+
+
+def test_http_door_names_the_replica_on_every_response(served):
+    """The same replica id on the OpenAI door: health, completions, and refusals (a disagreeing x-adapter-id)."""
+    resp, _ = _http(served, "GET", "/health")
+    assert (resp.status, resp.getheader(REPLICA_ID_HEADER)) == (200, REPLICA)
+    body = {"model": "pirate", "prompt": "Once upon a time", "max_tokens": 2}
+    resp, out = _http(served, "POST", "/v1/completions", body, {ADAPTER_ID_HEADER: "pirate"})
+    assert (resp.status, resp.getheader(REPLICA_ID_HEADER)) == (200, REPLICA), out
+    resp, out = _http(served, "POST", "/v1/completions", body, {ADAPTER_ID_HEADER: "poet"})
+    assert (resp.status, resp.getheader(REPLICA_ID_HEADER)) == (400, REPLICA), out
+    assert "poet" in out["error"]["message"] and "pirate" in out["error"]["message"]
