@@ -2,7 +2,7 @@
 # management off (reachable from the network, LoadAdapter / UnloadAdapter would need a token: see below).
 #
 #   docker build -t lora-serve .
-#   docker run --stop-timeout 45 -p 50051:50051 -v lora-serve-cache:/cache lora-serve
+#   docker run --stop-timeout 45 -p 50051:50051 -p 8000:8000 -v lora-serve-cache:/cache lora-serve
 #   docker run --stop-timeout 45 -p 50051:50051 -v lora-serve-cache:/cache \
 #       -e LORA_SERVE_ADMIN_TOKEN="${LORA_SERVE_ADMIN_TOKEN:?set it to a secret first}" \
 #       -v "$PWD/models:/models:ro" -v "$PWD/adapters:/adapters:ro" lora-serve lora-serve --host 0.0.0.0 \
@@ -40,4 +40,5 @@ RUN pip install ".[server]" \
 USER lora
 VOLUME ["/cache"]
 EXPOSE 50051
+EXPOSE 8000
 CMD ["lora-serve", "--host", "0.0.0.0", "--tracing", "--grace-period", "30", "--disable-adapter-management"]

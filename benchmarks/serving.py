@@ -1,6 +1,7 @@
 """Serving benchmark in the manner of SGLang's bench_serving: Poisson arrivals against a real lora-serve process.
 
     python -m benchmarks.serving [--rate 8] [--num-requests 64] [--max-batch-size 8] [--adapters 8 --zipf 1.1]
+                                 [--door grpc|http|both [--rounds 3]]
 
 Starts `lora-serve` (compiled) on the SmolLM2-135M-shaped checkpoint with N rank-16 adapters, sends requests
 with seeded prompt/output lengths and adapters drawn uniform or Zipf, and reports TTFT, inter-token latency
@@ -8,6 +9,11 @@ with seeded prompt/output lengths and adapters drawn uniform or Zipf, and report
 decode step at the same batch size and prints P95 ITL against it, and replays the same requests through the
 bare engine offline (Engine.generate) to show how much of the ITL tail is the engine's own prefill work.
 With --target it only loads an already-running server.
+
+--door picks the front door the load goes through: the gRPC SDK (default), or the OpenAI-compatible HTTP door
+through the official `openai` client (streaming completions of the same token-id prompts). `both` serves both
+from one process and alternates the same load through each door `--rounds` times, then prints each door's
+latencies over all its rounds and the HTTP/gRPC ratio of P95 ITL (side by side, so machine noise hits both).
 """
 from __future__ import annotations
 
@@ -100,26 +106,79 @@ def offline_itl(engine, specs: list[tuple[list[int], str | None, int]]) -> list[
     return gaps
 
 
-async def run_load(target: str, args, adapters: list[str]) -> tuple[list[RequestResult], float]:
+async def one_http_request(client, prompt: list[int], adapter: str | None, max_new: int) -> RequestResult:
+    """The same request through the HTTP door (`client`: openai.AsyncOpenAI), streamed as server-sent events."""
+    result = RequestResult()
+    t0 = last = time.perf_counter()
+    try:
+        stream = await client.completions.create(model=adapter or "", prompt=prompt, max_tokens=max_new,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for chunk in stream:  # (token ids, as the gRPC stream carries them: a chunk may hold several)
+            n = len(chunk.choices[0].model_extra.get("token_ids") or ()) if chunk.choices else 0
+            if not n:
+                continue
+            now = time.perf_counter()
+            if result.output_tokens == 0:
+                result.ttft = now - t0
+            else:
+                result.itl.extend([(now - last) / n] * n)
+            result.output_tokens += n
+            last = now
+    except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.latency = time.perf_counter() - t0
+    return result
+
+
+async def run_load(target: str, args, adapters: list[str], door: str = "grpc") -> tuple[list[RequestResult], float]:
+    """`target`: host:port of the gRPC door, or the HTTP door's base URL (http://host:port) for door "http"."""
     rng = random.Random(args.seed)
     specs = request_specs(args, adapters, rng)  # then the same rng draws the arrival times
-    async with AsyncLoraServeClient(target) as client:
-        await one_request(client, [5, 6, 7], None, 2)  # connection set-up outside the measurement
+    if door == "http":
+        import openai
+        # (HTTP/1.1: one stream per connection; the client's default pool holds 1000 connections)
+        client = openai.AsyncOpenAI(base_url=f"{target}/v1", api_key="unused", max_retries=0, timeout=600)
+        send = one_http_request
+    else:
+        client, send = AsyncLoraServeClient(target), one_request
+    async with client:
+        await send(client, [5, 6, 7], None, 2)  # connection set-up outside the measurement
         tasks = []
         t0 = time.perf_counter()
         for prompt, adapter, max_new in specs:
-            tasks.append(asyncio.create_task(one_request(client, prompt, adapter, max_new)))
+            tasks.append(asyncio.create_task(send(client, prompt, adapter, max_new)))
             if args.rate > 0:
                 await asyncio.sleep(rng.expovariate(args.rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0
 
 
-def start_server(model: Path, adapter_dirs: list[Path], args) -> tuple[subprocess.Popen, str]:
+def both_doors(grpc_target: str, http_target: str, args, names: list[str]) -> tuple[float, float]:
+    """The same load through each door in turn, `args.rounds` times: (P95 ITL over gRPC, over HTTP)."""
+    runs: dict[str, list[tuple[list[RequestResult], float]]] = {"grpc": [], "http": []}
+    for r in range(args.rounds):
+        for door in ("grpc", "http") if r % 2 == 0 else ("http", "grpc"):  # alternate who goes first
+            runs[door].append(asyncio.run(run_load(http_target if door == "http" else grpc_target,
+                                                   args, names, door)))
+    p95 = {}
+    for door, done in runs.items():
+        print(f"--- {door} door, {len(done)} rounds")
+        p95[door] = report([x for results, _ in done for x in results], sum(d for _, d in done))
+    print(f"P95 ITL http / grpc = {p95['http'] / p95['grpc']:.3f}")
+    return p95["grpc"], p95["http"]
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port),
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, adapter_dirs: list[Path], args) -> tuple[subprocess.Popen, str, str]:
+    """(process, gRPC target, HTTP base URL or "" when the HTTP door is off)."""
+    port, http_port = _free_port(), _free_port() if args.door != "grpc" else 0
+    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--http-port", str(http_port),
            "--max-batch-size", str(args.max_batch_size), "--max-seq-len", "512",
            "--max-loras-per-batch", str(max(1, min(len(adapter_dirs), args.max_loras_per_batch))),
            "--max-queue", str(args.num_requests), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -131,7 +190,7 @@ def start_server(model: Path, adapter_dirs: list[Path], args) -> tuple[subproces
             break
     else:
         raise RuntimeError(f"lora-serve exited with {proc.wait()} before it was ready")
-    return proc, f"127.0.0.1:{port}"
+    return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}" if http_port else ""
 
 
 def report(results: list[RequestResult], duration: float) -> float:
@@ -163,21 +222,33 @@ def main() -> None:
     p.add_argument("--min-output", type=int, default=32)
     p.add_argument("--max-output", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--door", choices=["grpc", "http", "both"], default="grpc",
+                   help="the front door the load goes through; both: alternate them, side by side")
+    p.add_argument("--rounds", type=int, default=3, help="--door both: loads per door, alternated")
+    p.add_argument("--http-target", help="with --target and --door http/both: the HTTP door's base URL")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     names = [f"a{i}" for i in range(args.adapters)]
     if args.target:
-        report(*asyncio.run(run_load(args.target, args, names)))
+        if args.door == "both":
+            both_doors(args.target, args.http_target, args, names)
+        else:
+            target = args.http_target if args.door == "http" else args.target
+            report(*asyncio.run(run_load(target, args, names, args.door)))
         return
 
     model = smollm2_checkpoint()
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_lora_adapters(model, Path(tmp), names)
-        proc, target = start_server(model, list(adapters.values()), args)
+        proc, target, http_target = start_server(model, list(adapters.values()), args)
         try:
-            print(f"lora-serve at {target}: batch {args.max_batch_size}, {args.adapters} adapters "
+            print(f"lora-serve at {target} ({args.door} door): batch {args.max_batch_size}, {args.adapters} adapters "
                   f"({'zipf ' + str(args.zipf) if args.zipf else 'uniform'}), rate {args.rate or 'inf'} req/s")
-            p95 = report(*asyncio.run(run_load(target, args, names)))
+            if args.door == "both":
+                both_doors(target, http_target, args, names)
+                return
+            p95 = report(*asyncio.run(run_load(http_target if args.door == "http" else target, args, names,
+                                               args.door)))
         finally:
             proc.terminate()
             proc.wait(timeout=60)

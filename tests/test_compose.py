@@ -168,7 +168,7 @@ def test_build_uses_the_repository_dockerfile(compose, scripts):
     assert args.host == "0.0.0.0" and args.tracing and args.model is None  # the demo model, reachable, traced
     assert args.disable_adapter_management  # `docker run` with no token: no LoadAdapter from the network
     assert ("VOLUME", '["/cache"]') in steps and "LORA_SERVE_CACHE=/cache" in dict(steps)["ENV"]
-    assert ("EXPOSE", "50051") in steps
+    assert ("EXPOSE", "50051") in steps and ("EXPOSE", "8000") in steps  # gRPC, and the HTTP door
     # torch at the version pyproject pins, then the project itself.
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pinned = next(d for d in [*project["dependencies"], *project.get("optional-dependencies", {}).get("server", [])]

@@ -15,9 +15,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from service._proto import pb, pb_grpc
 from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
-from service.telemetry.prometheus import ObserverGroup
+from service.runner.observer_group import ObserverGroup
 from tests.checkpoints import write_chat_template
-from tests.service_harness import ServerThread, build_engine, demo_paths, make_request, shared_engine, wait_for
+from tests.service_harness import (
+    ServerThread,
+    build_engine,
+    demo_paths,
+    make_request,
+    shared_engine,
+    wait_for,
+)
 
 PROMPT = "Once upon a time"
 LIMITS = RequestLimits(max_prompt_tokens=200, max_new_tokens=220)
@@ -98,8 +105,10 @@ def test_greedy_completion_equals_the_grpc_stream(served, client, adapter):
     grpc_ids = [t for m in grpc_out for t in m.token_ids]
     assert grpc_ids == served.reference(ids, adapter, 12, ignore_eos=True)
     http = client.completions.create(model=adapter or shared_engine().model_name, prompt=ids, max_tokens=12,
-                                     temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+                                     temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
     choice = http.choices[0]
+    assert choice.model_extra["token_ids"] == grpc_ids
     assert choice.text == "".join(m.text for m in grpc_out)
     assert choice.logprobs.tokens == served.server.runner.token_strings(grpc_ids)  # the same tokens, one by one
     assert choice.logprobs.token_logprobs == pytest.approx([lp for m in grpc_out for lp in m.logprobs])
@@ -223,14 +232,33 @@ def test_http_and_grpc_requests_share_engine_steps(served, client):
 
 def test_client_disconnect_mid_stream_frees_the_slot(served, client):
     runner = served.server.runner
-    stream = client.completions.create(model="", prompt=PROMPT, max_tokens=90, temperature=0, stream=True,
+    cancelled = _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled")
+    stream = client.completions.create(model="", prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
     assert runner.num_running == 1
     stream.close()  # closes the connection
     served.wait_idle()
     wait_for(lambda: runner.num_open_streams == 0, what="the stream's handler to end")
+    # Ended by the disconnect, not by its 200 tokens:
+    assert _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled") == cancelled + 1
     assert client.completions.create(model="", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_client_disconnect_while_waiting_for_a_whole_answer_frees_the_slot(served):
+    """Not streaming: the client closes its connection before the answer; the request leaves the batch."""
+    runner = served.server.runner
+    cancelled = _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+    wait_for(lambda: runner.num_running == 1, what="the request to run")
+    conn.close()
+    served.wait_idle()
+    wait_for(lambda: runner.num_open_streams == 0, what="the handler to end")
+    assert runner.engine.num_free_kv_slots == runner.engine.config.max_batch_size
+    # Ended by the disconnect, not by its 200 tokens:
+    assert _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled") == cancelled + 1
 
 
 # --- /metrics -------------------------------------------------------------------------------------------------

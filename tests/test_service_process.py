@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -89,6 +92,50 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
         assert server.proc.wait(30) == 0
         log = "".join(server.lines)
         assert "draining" in log and "drained cleanly" in log
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_http_door_of_the_process_serves_openai_clients_and_drains():
+    """`--http-port`: the OpenAI client and the gRPC SDK against one process; on SIGTERM the HTTP stream in
+    flight finishes, /health says 503, new HTTP requests are refused, and the process exits 0."""
+    import openai
+
+    port = _free_port()
+    server = ServeProcess("--http-port", str(port), "--grace-period", "120")
+    try:
+        assert f"and http://127.0.0.1:{port} (OpenAI-compatible HTTP)" in "".join(server.lines)
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(base + "/health", timeout=10) as r:
+            assert r.status == 200
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert {m.id for m in client.models.list()} >= {"pirate", "poet", "scribe"}
+        http = client.completions.create(model="pirate", prompt="Once upon a time", max_tokens=8, temperature=0)
+        with LoraServeClient(server.target) as grpc_client:
+            same = grpc_client.complete("Once upon a time", adapter="pirate", max_new_tokens=8, temperature=0)
+        assert http.choices[0].text == same.text and http.usage.completion_tokens == 8
+        stream = client.completions.create(model="", prompt="Once upon a time", max_tokens=48, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(urllib.error.HTTPError) as health:
+            while True:  # until the signal is handled
+                urllib.request.urlopen(base + "/health", timeout=10).close()
+        assert health.value.code == 503
+        with pytest.raises(openai.InternalServerError) as refused:  # 503: draining
+            client.completions.create(model="", prompt="Hello", max_tokens=2)
+        assert refused.value.status_code == 503 and "draining" in refused.value.message
+        chunks += list(stream)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert server.proc.wait(30) == 0
     finally:
         if server.proc.poll() is None:
             server.proc.kill()

@@ -22,7 +22,7 @@ import service.telemetry.observer as telemetry_observer
 import service.telemetry.setup as telemetry_setup
 import service.tools.trace_summary as trace_summary
 from service._proto import pb, pb_grpc
-from service.grpc_api.server import LoraServer
+from service.grpc_api.server import LoraServer, ServerConfig
 from service.telemetry.observer import TelemetryObserver
 from service.telemetry.setup import Telemetry, setup_telemetry
 from service.tools.otlp_receiver import GrpcReceiver, HttpReceiver, OtlpSink, SpanRecord, spans_from_proto, to_otlp_json
@@ -34,10 +34,10 @@ PROMPT = "Once upon a time"
 class TracedServer(ServerThread):
     """A ServerThread whose LoraServer exports to `telemetry` (None: tracing off)."""
 
-    def __init__(self, telemetry: Telemetry | None):
+    def __init__(self, telemetry: Telemetry | None, config: ServerConfig | None = None):
         self.telemetry = telemetry
         self._channel: grpc.Channel | None = None
-        super().__init__(shared_engine())
+        super().__init__(shared_engine(), config)
 
     async def _start(self, warmup: bool) -> None:
         self.server = LoraServer(self.engine, self.config, self.telemetry)
@@ -60,14 +60,15 @@ class TracedServer(ServerThread):
 class Stack:
     """Receiver + telemetry from the OTEL_* environment + a traced server."""
 
-    def __init__(self, env: dict[str, str], receiver: Callable[[OtlpSink], GrpcReceiver | HttpReceiver] | None):
+    def __init__(self, env: dict[str, str], receiver: Callable[[OtlpSink], GrpcReceiver | HttpReceiver] | None,
+                 config: ServerConfig | None = None):
         self.sink = OtlpSink()
         self.receiver = receiver(self.sink) if receiver else None
         with pytest.MonkeyPatch.context() as mp:  # the exporters read the environment when built
             for key, value in env.items():
                 mp.setenv(key, value.format(endpoint=self.receiver.endpoint if self.receiver else ""))
             self.telemetry = setup_telemetry()
-        self.served = TracedServer(self.telemetry)
+        self.served = TracedServer(self.telemetry, config)
 
     def collect(self, ready: Callable[[list[SpanRecord]], bool], timeout: float = 10.0) -> list[SpanRecord]:
         """Flush until the receiver has what `ready` wants (the server ends a call's spans just after the

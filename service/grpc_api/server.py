@@ -25,11 +25,12 @@ from service.http_api.app import HttpDoor, create_app
 from service.http_api.chat_template import load_chat_template
 from service.http_api.server import HttpServer
 from service.limits import RequestLimits
+from service.runner.observer_group import ObserverGroup
 from service.runner.scheduler import EngineRunner
 from service.telemetry.http_tracing import HttpTracer
 from service.telemetry.interceptor import TracingInterceptor
 from service.telemetry.observer import TelemetryObserver
-from service.telemetry.prometheus import ObserverGroup, PrometheusMetrics
+from service.telemetry.prometheus import PrometheusMetrics
 from service.telemetry.setup import Telemetry
 
 log = logging.getLogger(__name__)

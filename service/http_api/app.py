@@ -275,6 +275,8 @@ class _Responder:
         self._finished = True
         choice: dict[str, Any] = {"index": 0, "finish_reason": convert.finish_reason(total),
                                   "stop_reason": convert.stop_reason(total)}
+        if self.body.return_token_ids:
+            choice["token_ids"] = total.token_ids
         pieces = self.routes.runner.token_strings
         if self.chat:
             choice["message"] = {"role": "assistant", "content": total.text}
@@ -303,6 +305,8 @@ class _Responder:
             choice: dict[str, Any] = {"index": 0, "finish_reason": convert.finish_reason(out)}
             if out.finished:
                 choice["stop_reason"] = convert.stop_reason(out)
+            if self.body.return_token_ids:
+                choice["token_ids"] = out.token_ids
             if self.chat:
                 choice["delta"] = {"content": out.text} if out.text or not out.finished else {}
                 choice["logprobs"] = convert.chat_logprobs(out, pieces) if out.logprobs else None

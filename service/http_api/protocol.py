@@ -40,6 +40,7 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     repetition_penalty: Number | None = None
     user: StrictStr | None = None  # accepted and ignored (OpenAI's abuse-monitoring id)
+    return_token_ids: StrictBool = False  # vLLM's extension: each choice also carries its token ids
     # Not implemented: accepted at their neutral value only (convert.unsupported_fields).
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0

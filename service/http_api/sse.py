@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from service.errors import StreamStalled
-from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"

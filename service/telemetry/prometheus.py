@@ -14,7 +14,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -129,22 +135,3 @@ class PrometheusMetrics:
             self.e2e.labels(model).observe((finished - queued) / 1e9)
             if first is not None and generated > 1:
                 self.tpot.labels(model).observe((finished - first) / 1e9 / (generated - 1))
-
-
-class ObserverGroup:
-    """Several RunnerObservers behind the runner's one hook (tracing and Prometheus)."""
-
-    def __init__(self, observers: Iterable[object]):
-        self.observers = [o for o in observers if o is not None]
-
-    def on_added(self, state: RequestState) -> None:
-        for o in self.observers:
-            o.on_added(state)
-
-    def on_iteration(self, result: IterationResult) -> None:
-        for o in self.observers:
-            o.on_iteration(result)
-
-    def on_finished(self, state: RequestState) -> None:
-        for o in self.observers:
-            o.on_finished(state)

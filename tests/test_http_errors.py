@@ -1,0 +1,236 @@
+"""docs/errors.md for the HTTP door: every H row against a live server (status, OpenAI error body, param), the
+HTTP column of the shared rows (the gRPC mistakes sent as OpenAI requests get the mapped status and the same
+message), auth and TLS on the HTTP port. Never a 500 for a client's mistake, and the server keeps serving."""
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import ssl
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from service.grpc_api.security import SecurityConfig, TlsConfig
+from service.grpc_api.server import ServerConfig
+from service.http_api.errors import HTTP_STATUS
+from service.limits import RequestLimits
+from tests.certs import CertificateAuthority
+from tests.service_harness import ServerThread, shared_engine, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMITS = RequestLimits(max_prompt_tokens=200, max_new_tokens=100)  # as the catalogue's gRPC cases
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def post(port: int, path: str, body: bytes | dict | list, headers: dict[str, str] | None = None,
+         method: str = "POST", context: ssl.SSLContext | None = None) -> tuple[int, dict, dict[str, str]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = (http.client.HTTPSConnection("localhost", port, timeout=60, context=context) if context
+            else http.client.HTTPConnection("127.0.0.1", port, timeout=60))
+    try:
+        conn.request(method, path, body=data if method == "POST" else None,
+                     headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        raw = response.read()
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = {"raw": raw.decode(errors="replace")}
+        return response.status, parsed, {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, limits=LIMITS))
+    yield server
+    server.stop()
+
+
+def _ok(port: int) -> None:
+    status, body, _ = post(port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+
+
+# (path, body, headers, status, message fragment, param)
+HTTP_CASES = {
+    "H01": [(COMPLETIONS, b"{not json", {}, 400, "Invalid JSON", None),
+            (COMPLETIONS, b"[1, 2]", {}, 400, "Input should be an object", None)],
+    "H02": [(COMPLETIONS, {"prompt": "Hi", "max_tokens": "5"}, {}, 400, "max_tokens: Input should be a valid integer",
+             "max_tokens"),
+            (COMPLETIONS, {"prompt": "Hi", "stream": "yes"}, {}, 400, "stream: Input should be a valid boolean", "stream"),
+            (COMPLETIONS, {"prompt": 5}, {}, 400, "prompt", "prompt"),
+            (CHAT, {"messages": "hi"}, {}, 400, "messages", "messages")],
+    "H03": [(COMPLETIONS, {"prompt": "Hi", "seed": -1}, {}, 400, "seed: Input should be greater than or equal to 0",
+             "seed"),
+            (COMPLETIONS, {"prompt": "Hi", "max_tokens": -1}, {}, 400, "max_tokens", "max_tokens"),
+            (COMPLETIONS, {"prompt": "Hi", "top_k": 2**40}, {}, 400, "top_k", "top_k")],
+    "H04": [(COMPLETIONS, {"prompt": "Hi", "model": "no-such-adapter"}, {}, 404,
+             "adapter 'no-such-adapter' is not loaded", None)],
+    "H05": [(COMPLETIONS, {"prompt": "Hi", "n": 2}, {}, 400, "only n = 1 is supported", "n")],
+    "H06": [(COMPLETIONS, {"prompt": "a" * (1 << 20)}, {}, 413, "this server accepts at most 1048576", None)],
+    "H07": [(COMPLETIONS, {"prompt": "Hi", "model": "pirate"}, {"x-adapter-id": "poet"}, 400,
+             "the x-adapter-id header names 'poet' but the model field names 'pirate'", "model")],
+    "H08": [(CHAT, {"messages": [{"role": "user", "content": "hi"}]}, {}, 400, "has no chat template", None)],
+    "H10": [("/v1/nowhere", {}, {}, 404, "Not Found", None)],
+    "H12": [(COMPLETIONS, {"prompt": ["a", "b"]}, {}, 400, "one prompt per request, got a batch of 2", "prompt")],
+    "H13": [(COMPLETIONS, {"prompt": "Hi", "echo": True}, {}, 400, "echo: not supported", "echo"),
+            (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 0.5}, {}, 400, "use repetition_penalty",
+             "presence_penalty")],
+    "H14": [(COMPLETIONS, {"max_tokens": 2}, {}, 400, "prompt: Field required", "prompt")],
+}
+# Elsewhere: H09 (test_http_api.py::test_chat_uses_the_models_template_as_transformers_renders_it), H11 and
+# H15 below, H16 (test_http_api.py::test_client_disconnect_mid_stream_frees_the_slot).
+ELSEWHERE = {"H09", "H11", "H15", "H16"}
+
+# Shared rows sent as OpenAI requests: (id, body, status, message fragment, param).
+SHARED_CASES = [
+    ("G02", {"prompt": ""}, "prompt: the prompt is empty", "prompt"),
+    ("G04", {"prompt": [5, 9999]}, "prompt[1]: token id 9999 is outside the vocabulary [0, 512)", "prompt[1]"),
+    ("G08", {"prompt": [5] * 210}, "at most 200 (--max-prompt-tokens)", "prompt"),
+    ("G10", {"prompt": "Hi", "max_tokens": 0}, "max_tokens: must be >= 1", "max_tokens"),
+    ("G11", {"prompt": "Hi", "max_tokens": 101}, "max_tokens: this server allows at most 100 new tokens", "max_tokens"),
+    ("G13", {"prompt": "Hi", "temperature": -0.5}, "temperature: must be >= 0 (0 = greedy), got -0.5", "temperature"),
+    ("G17", {"prompt": "Hi", "top_p": 1.5}, "top_p: must be in (0, 1], got 1.5", "top_p"),
+    ("G19", {"prompt": "Hi", "top_k": -1}, "top_k: must be >= 0", "top_k"),
+    ("G20", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty: must be > 0", "repetition_penalty"),
+    ("G22", {"prompt": "Hi", "stop": ["ok", ""]}, "stop[1]: must not be empty", "stop[1]"),
+    ("G24", {"prompt": "Hi", "stop": ["a"] * 17}, "stop: at most 16 stop strings, got 17", "stop"),
+    ("G28", {"prompt": "Hi", "model": "", "logprobs": 21}, "logprobs", "logprobs"),
+    ("G30", {"prompt": "Hi", "model": "a" * 257}, "model: at most 256 characters", "model"),
+    ("G31", {"prompt": "Hi", "model": "no-such-adapter"}, "adapter 'no-such-adapter' is not loaded", None),
+    ("G42", {"prompt": "Z" * 2000}, "prompt: the text has 2000 characters", "prompt"),
+]
+
+
+@pytest.mark.parametrize("case_id", sorted(HTTP_CASES))
+def test_http_catalogue(served, case_id):
+    port = served.server.http_port
+    for path, body, headers, status, fragment, param in HTTP_CASES[case_id]:
+        got, reply, _ = post(port, path, body, headers)
+        assert got == status, (case_id, got, reply)
+        error = reply["error"]
+        assert fragment in error["message"], (case_id, error)
+        assert set(error) == {"message", "type", "param", "code"}
+        if param is not None:
+            assert error["param"] == param, (case_id, error)
+    served.wait_idle()
+    _ok(port)  # and the server keeps serving
+
+
+def _documented_http_status(case_id: str) -> str:
+    text = (ROOT / "docs" / "errors.md").read_text()
+    row = re.search(rf"^\| {case_id} \|(.*)$", text, flags=re.M).group(1)
+    return [c.strip() for c in row.split("|")][2]
+
+
+@pytest.mark.parametrize("case_id,body,fragment,param", SHARED_CASES, ids=[c[0] for c in SHARED_CASES])
+def test_shared_rows_get_their_documented_http_status(served, case_id, body, fragment, param):
+    got, reply, _ = post(served.server.http_port, COMPLETIONS, body)
+    assert str(got) == _documented_http_status(case_id), reply
+    assert fragment in reply["error"]["message"], reply
+    if param is not None:
+        assert reply["error"]["param"] == param
+
+
+def test_http_column_follows_the_grpc_status():
+    """Every row with both a gRPC status and an HTTP status in the catalogue agrees with the one mapping."""
+    text = (ROOT / "docs" / "errors.md").read_text()
+    rows = re.findall(r"^\| ([GCLUTA]\d\d) \| [^|]* \| `([A-Z_]+)`[^|]* \| ([^|]*) \|", text, flags=re.M)
+    assert len(rows) > 40
+    for case_id, status, documented in rows:
+        documented = documented.strip()
+        if documented.startswith("—"):
+            continue
+        # (a message over the size limit is 413, HTTP's own status for it; an unknown field is fine on both doors)
+        expected = {"G35": "413", "G40": "200"}.get(case_id, str(HTTP_STATUS[grpc.StatusCode[status]]))
+        assert documented.split()[0] == expected, case_id
+
+
+def test_queue_full_is_429_with_retry_after():
+    """C01 over HTTP: 429, Retry-After, rate_limit_error."""
+    server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, limits=RequestLimits(
+        max_queue=0, max_concurrent_streams=1)))
+    try:
+        port = server.server.http_port
+        holder = threading.Thread(target=post, args=(port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 150,
+                                                                           "ignore_eos": True}))
+        holder.start()
+        wait_for(lambda: server.server.runner.num_open_streams == 1, what="the first request")
+        status, body, headers = post(port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})
+        assert status == 429 and body["error"]["type"] == "rate_limit_error" and headers["retry-after"] == "1"
+        holder.join(60)
+    finally:
+        server.stop()
+
+
+def test_engine_failure_mid_stream_is_an_error_event(served, monkeypatch):
+    """H15: the stream has started (200); the failure arrives as an error event, then [DONE]."""
+    engine, port = served.engine, served.server.http_port
+    real_step, calls = engine.step, []
+
+    def flaky_step(seqs, *args, **kwargs):
+        calls.append(len(seqs))
+        if len(calls) == 3:
+            raise RuntimeError("simulated device error")
+        return real_step(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    status, body, _ = post(port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 50, "stream": True, "ignore_eos": True})
+    monkeypatch.undo()
+    events = [line.removeprefix("data: ") for line in body["raw"].splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "simulated device error" in error["message"] and error["code"] == "internal"
+    served.wait_idle()
+    _ok(port)
+
+
+def test_bearer_tokens_on_the_http_door():
+    """H11: the gRPC door's tokens; /health and /metrics stay open (probes and scrapers)."""
+    server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, security=SecurityConfig(
+        api_token="gen-token", admin_token="admin-token")))
+    try:
+        port = server.server.http_port
+        body = {"prompt": "Hi", "max_tokens": 2}
+        status, reply, _ = post(port, COMPLETIONS, body)
+        assert status == 401 and "missing credentials" in reply["error"]["message"]
+        assert reply["error"]["type"] == "authentication_error"
+        assert post(port, COMPLETIONS, body, {"authorization": "Bearer wrong"})[0] == 401
+        assert post(port, COMPLETIONS, body, {"authorization": "Basic gen-token"})[0] == 401
+        for token in ("gen-token", "admin-token"):
+            assert post(port, COMPLETIONS, body, {"authorization": f"Bearer {token}"})[0] == 200
+        assert post(port, "/v1/models", b"", method="GET")[0] == 401
+        assert post(port, "/v1/models", b"", {"authorization": "Bearer gen-token"}, method="GET")[0] == 200
+        assert post(port, "/health", b"", method="GET")[0] == 200
+        assert post(port, "/metrics", b"", method="GET")[0] == 200
+    finally:
+        server.stop()
+
+
+def test_tls_on_the_http_door(tmp_path):
+    """The gRPC door's certificate serves HTTPS too; plaintext to the port gets no answer."""
+    ca = CertificateAuthority(tmp_path)
+    pem = ca.issue("server", server=True)
+    server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, security=SecurityConfig(
+        tls=TlsConfig(str(pem.cert), str(pem.key)))))
+    try:
+        port = server.server.http_port
+        context = ssl.create_default_context(cafile=str(ca.pem.cert))
+        status, reply, _ = post(port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}, context=context)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 2
+        with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+            post(port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})
+        with pytest.raises(ssl.SSLError):  # a client that does not trust the CA
+            post(port, COMPLETIONS, {"prompt": "Hi"}, context=ssl.create_default_context())
+    finally:
+        server.stop()
+
+
+def test_every_h_row_is_checked():
+    documented = set(re.findall(r"^\| (H\d\d) \|", (ROOT / "docs" / "errors.md").read_text(), flags=re.M))
+    assert documented == set(HTTP_CASES) | ELSEWHERE
