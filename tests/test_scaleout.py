@@ -30,6 +30,7 @@ PER_ADAPTER = 10  # 60 requests
 MAX_SEQ_LEN = 512
 PROMPT = "Once upon a time"
 START_TIMEOUT_S = 300  # an upper bound for a start on a busy 2-core machine, never waited for when things work
+GRACE_S = 3600  # --grace-period: never reached; how long the drain may take is measured (the streams' token rate)
 OWNERS: dict[str, dict[str, str]] = {}  # door → adapter → replica, from each door's first round
 
 
@@ -48,7 +49,7 @@ def cluster(checkpoint):
     root, model, adapters = checkpoint
     ports = {name: (free_port(), free_port()) for name in REPLICAS}
     replicas = {name: Replica(name, p, model, adapters, "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch-size", "6",
-                              "--max-loras-per-batch", "6", "--grace-period", "120")
+                              "--max-loras-per-batch", "6", "--grace-period", str(GRACE_S))
                 for name, p in ports.items()}
     proxy = None
     try:
@@ -73,6 +74,7 @@ class Stream:
     def __init__(self, run: Callable[[Stream], None]):
         self.first = threading.Event()
         self.tokens, self.finish_reason, self.replica, self.error = 0, None, None, None
+        self.started = time.monotonic()
         self._thread = threading.Thread(target=self._run, args=(run,), daemon=True)
         self._thread.start()
 
@@ -84,9 +86,14 @@ class Stream:
         finally:
             self.first.set()
 
+    def seconds_left(self, total: int) -> float:
+        """How long the rest of `total` tokens takes at the rate this stream has had so far."""
+        rate = max(self.tokens, 1) / (time.monotonic() - self.started)
+        return (total - self.tokens) / rate
+
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
-        assert not self._thread.is_alive(), "stream still running"
+        assert not self._thread.is_alive(), f"stream still running after {timeout:.0f}s"
 
 
 class GrpcDoor:
@@ -136,14 +143,16 @@ class HttpDoor:
     def stream(self, adapter: str, max_tokens: int) -> Stream:
         def run(s: Stream) -> None:
             resp = self._post({"model": adapter, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
-                               "stream": True, "stream_options": {"include_usage": True}}, adapter)
+                               "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True},
+                              adapter)
             assert resp.status == 200, resp.read()
             s.replica = resp.getheader(REPLICA_ID_HEADER)
             for data in _sse(resp):
-                if data["choices"] and data["choices"][0].get("finish_reason"):
-                    s.finish_reason = data["choices"][0]["finish_reason"]
+                if data["choices"]:
+                    s.tokens += len(data["choices"][0].get("token_ids") or [])
+                    s.finish_reason = data["choices"][0].get("finish_reason") or s.finish_reason
                 if data.get("usage"):
-                    s.tokens = data["usage"]["completion_tokens"]
+                    assert data["usage"]["completion_tokens"] == s.tokens
                 s.first.set()
         return Stream(run)
 
@@ -203,16 +212,18 @@ def test_affinity_drain_failover_and_rejoin(cluster, door_type):
             assert s.first.wait(60) and s.error is None, s.error
         assert {s.replica for s in streams} == {victim}
         replicas[victim].terminate()
+        # The drain needs what the slowest stream has left at its own rate so far; 10x that, for a busy machine.
+        drain_s = 10 * max(s.seconds_left(room) for s in streams) + 10
 
         # 3. HAProxy's health checks take it out of both backends (NOT_SERVING / 503 while draining, then nothing
         # listens).
         down_after = max(proxy.wait_state(victim, "DOWN", proxy.down_within(), b) for b in BACKENDS)
         # 4. The in-flight streams finish: every token, finish "length" (the drain), none cancelled.
         for s in streams:
-            s.join(600)
+            s.join(drain_s)
             assert s.error is None, s.error
             assert (s.finish_reason, s.tokens) == ("length", room)
-        assert replicas[victim].wait(120) == 0, replicas[victim].log()
+        assert replicas[victim].wait(drain_s) == 0, replicas[victim].log()
         log = replicas[victim].log()
         # Every stream was still generating (running or queued) when SIGTERM came, and all were drained.
         in_flight = re.search(r"waiting up to \S+ for (\d+) running and (\d+) waiting", log)
