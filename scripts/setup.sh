@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install the project with the given extras (default: server, what
-# scripts/serve.sh needs; "test" includes it); safe to re-run.
+# scripts/serve.sh needs; "test" includes it, and HAProxy for the scale-out tests); safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-server}"
@@ -13,4 +13,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
   .venv/bin/pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
   touch "$stamp"
+fi
+if [ "$extras" = "test" ] && ! command -v haproxy >/dev/null 2>&1; then
+  # tests/test_scaleout*.py run a real HAProxy in front of real replicas (a Debian package, not a pip one).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null
+  else
+    echo "setup: haproxy is missing and cannot be installed here (needs root and apt-get): sudo apt-get install haproxy" >&2
+  fi
 fi

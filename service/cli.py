@@ -76,6 +76,9 @@ def serve_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--grace-period", type=float, default=server_defaults.grace_period_s,
                    help="seconds in-flight streams get to finish after SIGTERM (default: %(default)s)")
+    p.add_argument("--replica-id", default=None,
+                   help="this replica's name behind a load balancer: sent as x-replica-id with every Generate "
+                        "and as the OpenTelemetry resource attribute service.instance.id (default: <hostname>-<pid>)")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                    help="LoadAdapter only accepts directories under these roots (repeatable; default: any)")
     _add_limit_flags(p)
@@ -149,8 +152,9 @@ def _server_config(args: argparse.Namespace):
         tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
     if args.http_port < 0:
         raise ValueError(f"--http-port must be >= 0 (0: off), got {args.http_port}")
+    replica = {"replica_id": args.replica_id} if args.replica_id else {}  # else ServerConfig's default
     return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
-                        limits=limits, security=security, http_port=args.http_port or None)
+                        limits=limits, security=security, http_port=args.http_port or None, **replica)
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -212,7 +216,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     telemetry = None
     if tracing_requested(args.tracing):
         try:
-            telemetry = setup_telemetry()
+            telemetry = setup_telemetry(instance_id=server_config.replica_id)
         except Exception as e:  # noqa: BLE001 - e.g. an unknown OTEL_EXPORTER_OTLP_PROTOCOL
             log.error("cannot start tracing: %s: %s", type(e).__name__, e)
             return 2

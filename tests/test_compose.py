@@ -210,3 +210,70 @@ def test_admin_rpcs_need_a_token_from_the_environment(compose, scripts, monkeypa
     security = _server_config(args).security
     assert args.host == "0.0.0.0" and security.admin_token == "from-compose"
     assert not security.disable_adapter_management
+
+
+# --- profile "scale": replicas behind HAProxy (docs/scaling.md) ---------------------------------------------
+def _replicas(compose: dict) -> dict[str, dict]:
+    return {name: s for name, s in compose["services"].items() if re.fullmatch(r"lora-serve-\d+", name)}
+
+
+def test_scale_profile_runs_named_replicas_of_one_model(compose):
+    from lora_serve_demo import ADAPTERS_DIRNAME, DEMO_ADAPTERS, MODEL_DIRNAME
+    from service.cli import _server_config, serve_parser
+    from service.grpc_api.server import ServerConfig
+
+    replicas = _replicas(compose)
+    assert len(replicas) >= 2
+    init = compose["services"]["model-init"]
+    assert init["profiles"] == ["scale"] and "lora-serve-models:/models" in init["volumes"]
+    assert "write_demo_adapters(Path('/models'))" in " ".join(init["command"])
+    for name, service in replicas.items():
+        assert service["profiles"] == ["scale"] and service["image"] == compose["services"]["lora-serve"]["image"]
+        assert "ports" not in service  # reached through HAProxy only
+        args = serve_parser().parse_args(service["command"][1:])
+        assert args.replica_id == name and args.host == "0.0.0.0" and args.tracing
+        assert _server_config(args).port == ServerConfig().port == 50051  # the port haproxy.cfg names
+        # One read-only model and adapter volume, written once by model-init; one shared Inductor cache volume.
+        assert "lora-serve-models:/models:ro" in service["volumes"] and "lora-serve-cache:/cache" in service["volumes"]
+        assert args.model == f"/models/{MODEL_DIRNAME}"
+        assert dict(args.adapter) == {a.name: f"/models/{ADAPTERS_DIRNAME}/{a.name}" for a in DEMO_ADAPTERS}
+        assert service["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+        # Traces from every replica into the same Jaeger; the replica id is their service.instance.id.
+        assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert "jaeger" in service["depends_on"]
+    assert len({serve_parser().parse_args(s["command"][1:]).replica_id for s in replicas.values()}) == len(replicas)
+    assert {"lora-serve-models", "lora-serve-cache"} <= set(compose["volumes"])
+
+
+def test_scale_profile_replicas_drain_within_the_stop_grace_period(compose):
+    from service.cli import serve_parser
+    from service.telemetry.setup import SHUTDOWN_TIMEOUT_S
+
+    for service in _replicas(compose).values():
+        grace = serve_parser().parse_args(service["command"][1:]).grace_period
+        assert "--grace-period" in service["command"]
+        assert seconds(service["stop_grace_period"]) > grace + 1.0 + SHUTDOWN_TIMEOUT_S
+        assert service["healthcheck"]["test"] == compose["services"]["lora-serve"]["healthcheck"]["test"]
+
+
+def test_scale_profile_haproxy_routes_to_exactly_the_replicas(compose):
+    haproxy = compose["services"]["haproxy"]
+    assert haproxy["profiles"] == ["scale"] and re.fullmatch(r"haproxy:\d+\.\d+(\.\d+)?", haproxy["image"])
+    mount = next(v for v in haproxy["volumes"] if v.endswith("/usr/local/etc/haproxy/haproxy.cfg:ro"))
+    config = (ROOT / mount.split(":")[0]).read_text()
+    from service.cli import _server_config, serve_parser
+
+    addresses = re.findall(r"(?m)^  server \S+ (\S+)$", config)
+    # Each replica's both doors, on the ports its flags give it.
+    expected = []
+    for name, service in _replicas(compose).items():
+        config_ = _server_config(serve_parser().parse_args(service["command"][1:]))
+        expected += [f"{name}:{config_.port}", f"{name}:{config_.http_port}"]
+    assert sorted(addresses) == sorted(expected) and len(addresses) == 2 * len(_replicas(compose))
+    assert set(haproxy["depends_on"]) == set(_replicas(compose))
+    assert "50051:50051" in haproxy["ports"] and re.search(r"(?m)^  bind :50051 proto h2$", config)
+    assert "8000:8000" in haproxy["ports"] and re.search(r"(?m)^  bind :8000$", config)
+    assert "balance hdr(x-adapter-id)" in config and "hash-type consistent" in config
+    assert "nameserver dns 127.0.0.11:53" in config  # Docker's DNS: a restarted replica's new address is found
+    # The documented command frees port 50051 from the single server.
+    assert "docker compose --profile scale up --build -d --scale lora-serve=0" in (ROOT / "docker-compose.yml").read_text()

@@ -105,6 +105,7 @@ GENERATE_CASES: dict[str, Case] = {
 
 # Entries checked by other tests (test file :: test name).
 ELSEWHERE = {
+    "G43": "test_affinity.py::test_disagreeing_header_is_invalid_argument_naming_both",
     "C01": "test_service_lifecycle.py::test_overload_is_resource_exhausted_with_retry_info",
     "C03": "test_service_lifecycle.py::test_health_warmup_serving_draining",
     "C04": "test_service_lifecycle.py::test_health_warmup_serving_draining",

@@ -100,8 +100,9 @@ def _run_client_command(client, args) -> int:
         sys.stdout.write("\n")
         if last is not None and last.usage is not None:
             stop = f" ({last.stop!r})" if last.stop is not None else ""
+            replica = f"; replica {last.replica_id}" if last.replica_id else ""
             print(f"[finish: {last.finish_reason}{stop}; prompt {last.usage.prompt_tokens} tokens, "
-                  f"completion {last.usage.completion_tokens} tokens]", file=sys.stderr)
+                  f"completion {last.usage.completion_tokens} tokens{replica}]", file=sys.stderr)
     elif args.command == "adapters":
         if args.action == "list":
             for a in client.list_adapters():

@@ -17,6 +17,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service._proto import pb, pb_grpc
+from service.affinity import ADAPTER_ID_HEADER, REPLICA_ID_HEADER, adapter_header_value
 from service.client.channel import ClientTLS, bearer, open_channel, with_trace_context
 from service.client.errors import from_rpc_error
 
@@ -44,6 +45,7 @@ class GenerateChunk:
     stop_token_id: int | None = None  # the stop token that ended generation
     usage: Usage | None = None
     request_id: str = ""
+    replica_id: str = ""  # the server replica that answered (its x-replica-id), "" if it sent none
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Completion:
     stop: str | None = None
     stop_token_id: int | None = None
     request_id: str = ""
+    replica_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,16 @@ def build_generate_request(
     return req
 
 
-def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
+def generate_metadata(metadata: tuple[tuple[str, str], ...] | None, params: dict) -> tuple[tuple[str, str], ...]:
+    """Call metadata for Generate: x-adapter-id, so a balancer can keep each adapter on few replicas."""
+    return (*(metadata or ()), (ADAPTER_ID_HEADER, adapter_header_value(params.get("adapter"))))
+
+
+def replica_of(initial_metadata) -> str:
+    return next((v for k, v in initial_metadata or () if k == REPLICA_ID_HEADER), "")
+
+
+def chunk_from_proto(msg: pb.GenerateResponse, replica_id: str = "") -> GenerateChunk:
     finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
     return GenerateChunk(
         text=msg.text, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs),
@@ -124,7 +136,7 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
         stop=msg.stop if msg.HasField("stop") else None,
         stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if finished else None,
-        request_id=msg.request_id,
+        request_id=msg.request_id, replica_id=replica_id,
     )
 
 
@@ -134,7 +146,7 @@ def join_chunks(chunks: list[GenerateChunk]) -> Completion:
         text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=last.finish_reason or "", usage=last.usage or Usage(0, 0),
         logprobs=[p for c in chunks for p in c.logprobs], stop=last.stop, stop_token_id=last.stop_token_id,
-        request_id=last.request_id,
+        request_id=last.request_id, replica_id=last.replica_id,
     )
 
 
@@ -170,11 +182,14 @@ class LoraServeClient:
                  **params) -> Iterator[GenerateChunk]:
         """Stream chunks as the server produces them. Leaving the loop early cancels the request.
         `params`: see build_generate_request (adapter, max_new_tokens, temperature, stop, ...)."""
-        call = self._generation.Generate(build_generate_request(prompt, **params),
-                                         timeout=self._timeout(timeout), metadata=with_trace_context(self._metadata))
+        call = self._generation.Generate(build_generate_request(prompt, **params), timeout=self._timeout(timeout),
+                                         metadata=with_trace_context(generate_metadata(self._metadata, params)))
         try:
+            replica = None
             for msg in call:
-                yield chunk_from_proto(msg)
+                if replica is None:
+                    replica = replica_of(call.initial_metadata())
+                yield chunk_from_proto(msg, replica)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:
@@ -239,11 +254,14 @@ class AsyncLoraServeClient:
 
     async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                        **params) -> AsyncIterator[GenerateChunk]:
-        call = self._generation.Generate(build_generate_request(prompt, **params),
-                                         timeout=self._timeout(timeout), metadata=with_trace_context(self._metadata))
+        call = self._generation.Generate(build_generate_request(prompt, **params), timeout=self._timeout(timeout),
+                                         metadata=with_trace_context(generate_metadata(self._metadata, params)))
         try:
+            replica = None
             async for msg in call:
-                yield chunk_from_proto(msg)
+                if replica is None:
+                    replica = replica_of(await call.initial_metadata())
+                yield chunk_from_proto(msg, replica)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:

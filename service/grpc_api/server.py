@@ -4,10 +4,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -36,6 +38,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAMES = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
 
 
+def default_replica_id() -> str:
+    """<hostname>-<pid>: unique among replicas on one host or in one cluster (a pod's hostname is its name)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"     # "0.0.0.0" / "[::]" to accept remote clients (e.g. in a container)
@@ -46,6 +53,8 @@ class ServerConfig:
     # The OpenAI-compatible HTTP door on `host` (service/http_api/); None: off, 0: any free port.
     # (`lora-serve --http-port` defaults to DEFAULT_HTTP_PORT; 0 there means off.)
     http_port: int | None = None
+    # Names this process behind a balancer: x-replica-id on every Generate, OTEL service.instance.id.
+    replica_id: str = field(default_factory=default_replica_id)
 
 
 DEFAULT_HTTP_PORT = 8000
@@ -80,7 +89,7 @@ class LoraServer:
                      *([("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)]
                        if config.limits.max_streams_per_connection else [])],
         )
-        self.generation = GenerationServicer(self.runner, config.limits)
+        self.generation = GenerationServicer(self.runner, config.limits, config.replica_id)
         pb_grpc.add_GenerationServicer_to_server(self.generation, self._server)
         pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(self.runner), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -95,7 +104,8 @@ class LoraServer:
             runner=self.runner, generation=self.generation, security=self.config.security,
             state=lambda: self.state, metrics=self.metrics, max_body_bytes=self.config.limits.max_message_bytes,
             chat_template=load_chat_template(self.runner.model_dir),
-            tracer=HttpTracer(self.telemetry, self.observer) if self.telemetry is not None else None)
+            tracer=HttpTracer(self.telemetry, self.observer) if self.telemetry is not None else None,
+            replica_id=self.config.replica_id)
         if door.chat_template is None:
             log.info("the model has no chat template: /v1/chat/completions answers 400")
         return HttpServer(create_app(door), self.config.host, self.config.http_port, self.config.security.tls)

@@ -9,6 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from service._proto import pb, pb_grpc
+from service.affinity import (
+    ADAPTER_ID_HEADER,
+    REPLICA_ID_HEADER,
+    adapter_header_problem,
+)
 from service.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from service.grpc_api.heap import LARGE_REQUEST_BYTES, HeapTrimmer
 from service.grpc_api.security import check_adapter_path
@@ -28,8 +33,9 @@ _MAX_PATH_CHARS = 4096
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, runner: EngineRunner, limits: RequestLimits = RequestLimits()):
+    def __init__(self, runner: EngineRunner, limits: RequestLimits = RequestLimits(), replica_id: str = ""):
         self._runner = runner
+        self._replica_metadata = ((REPLICA_ID_HEADER, replica_id),) if replica_id else ()
         self._model = info = runner.model_info()
         self._limits = limits
         # A text longer than this cannot fit in a prompt whatever it says: refused before it is tokenized.
@@ -53,6 +59,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return req
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self._replica_metadata:  # first, so a refusal below also names the replica that refused
+            await context.send_initial_metadata(self._replica_metadata)
+        self._check_adapter_header(request, context)
         req = await self.prepare(request)
         state = self._runner.add_request(req)
         # Cancellation, deadline or a closed stream: the runner drops the request within one step.
@@ -66,6 +75,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     return
         finally:
             self._runner.abort(state)  # no-op once finished
+
+    def _check_adapter_header(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """x-adapter-id, when sent, must name the request's adapter: the balancer routed on it."""
+        header = next((v for k, v in context.invocation_metadata() or () if k == ADAPTER_ID_HEADER), None)
+        if isinstance(header, bytes):  # (only "-bin" keys carry bytes; be safe)
+            header = header.decode("utf-8", "replace")
+        problem = adapter_header_problem(header, request.adapter, self._model.model, "adapter")
+        if problem is not None:
+            raise InvalidArgument([FieldViolation("adapter", problem)])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.affinity import REPLICA_ID_HEADER
 from service.errors import (
     FailedPrecondition,
     FieldViolation,
@@ -55,6 +56,7 @@ class HttpDoor:
     max_body_bytes: int
     chat_template: ChatTemplate | None = None
     tracer: HttpTracer | None = None
+    replica_id: str = ""  # x-replica-id on every response ("" : none)
 
 
 def create_app(door: HttpDoor) -> FastAPI:
@@ -75,7 +77,28 @@ def create_app(door: HttpDoor) -> FastAPI:
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, any_error)
+    if door.replica_id:
+        app.add_middleware(ReplicaHeader, replica_id=door.replica_id)
     return app
+
+
+class ReplicaHeader:
+    """x-replica-id on every response (errors and streams included): which replica behind a balancer answered.
+    Plain ASGI, so a streamed body passes through untouched."""
+
+    def __init__(self, app, replica_id: str):
+        self.app = app
+        self.header = (REPLICA_ID_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+        return await self.app(scope, receive, send_with_header)
 
 
 class _Routes:

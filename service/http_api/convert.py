@@ -8,12 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 from service._proto import pb
+from service.affinity import (
+    ADAPTER_ID_HEADER as ADAPTER_HEADER,  # must agree with `model` (gRPC: `adapter`)
+)
 from service.errors import FieldViolation, InvalidArgument
 from service.grpc_api.validation import MAX_NAME_CHARS
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from service.runner.request import RequestOutput
-
-ADAPTER_HEADER = "x-adapter-id"  # the gateway's affinity header (also gRPC metadata); must agree with `model`
 
 # The shared validation names fields by their GenerateRequest path; an HTTP client knows OpenAI's names.
 _PARAM = {"stopping.max_new_tokens": "max_tokens", "stopping.stop": "stop", "stopping.stop_token_ids": "stop",

@@ -57,8 +57,9 @@ def tracing_requested(flag: bool = False) -> bool:
     return flag or os.environ.get(TRACING_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def setup_telemetry() -> Telemetry | None:
+def setup_telemetry(instance_id: str | None = None) -> Telemetry | None:
     """Tracer and meter providers from the OTEL_* environment; None when OTEL_SDK_DISABLED=true.
+    `instance_id`: the resource's service.instance.id (the replica id), unless OTEL_RESOURCE_ATTRIBUTES sets it.
     Raises ValueError for an exporter or protocol we do not know (a typo should not silently drop data)."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
@@ -68,8 +69,13 @@ def setup_telemetry() -> Telemetry | None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
-    resource = Resource.create({} if named else {"service.name": DEFAULT_SERVICE_NAME})
+    env_attributes = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in env_attributes
+    attributes = {} if named else {"service.name": DEFAULT_SERVICE_NAME}
+    # Replicas share a service name; Jaeger and Prometheus tell them apart by this (the explicit setting wins).
+    if instance_id and "service.instance.id=" not in env_attributes:
+        attributes["service.instance.id"] = instance_id
+    resource = Resource.create(attributes)
     # The sampler comes from OTEL_TRACES_SAMPLER (default parentbased_always_on). We shut down ourselves.
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     span_exporter = _exporter("traces")
