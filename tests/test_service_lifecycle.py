@@ -129,14 +129,14 @@ def test_health_warmup_serving_draining():
         with server.client() as client:
             stream = client.generate("Once upon a time", **LONG)
             first = next(stream)
-            drained = server.submit(server.server.drain(grace_period_s=30))
+            drained = server.submit(server.server.drain(grace_period_s=600))  # a bound: ends with the stream
             wait_for(lambda: status() == NOT_SERVING, what="NOT_SERVING while draining")
             with pytest.raises(UnavailableError, match="draining"):
                 client.complete("Hi", max_new_tokens=2)
             rest = list(stream)  # the in-flight stream still finishes
         assert [first, *rest][-1].finish_reason == "length"
         assert sum(len(c.token_ids) for c in [first, *rest]) == LONG["max_new_tokens"]
-        assert drained.result(30) is True
+        assert drained.result(600) is True
         channel.close()
     finally:
         server.stop()

@@ -19,6 +19,9 @@ import pytest
 from service.client import LoraServeClient, UnavailableError
 from tests.service_harness import demo_paths
 
+# Upper bound on a drain: it ends when the streams do, so a loaded machine is not a failure, a stuck drain is.
+DRAIN_BOUND_S = 600
+
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"lora-serve ready on (\S+):(\d+)")
 pytestmark = pytest.mark.slow
@@ -58,7 +61,7 @@ class ServeProcess:
 
 
 def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
-    server = ServeProcess("--grace-period", "30", "--no-prepack-weights")
+    server = ServeProcess("--grace-period", str(DRAIN_BOUND_S), "--no-prepack-weights")
     try:
         log = "".join(server.lines)
         assert "float32, plain weights (eager: --no-compile)" in log
@@ -89,7 +92,7 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
             chunks += list(stream)
         assert chunks[-1].finish_reason == "length"
         assert sum(len(c.token_ids) for c in chunks) == 240
-        assert server.proc.wait(30) == 0
+        assert server.proc.wait(DRAIN_BOUND_S) == 0
         log = "".join(server.lines)
         assert "draining" in log and "drained cleanly" in log
     finally:
@@ -110,7 +113,7 @@ def test_http_door_of_the_process_serves_openai_clients_and_drains():
     import openai
 
     port = _free_port()
-    server = ServeProcess("--http-port", str(port), "--grace-period", "120")
+    server = ServeProcess("--http-port", str(port), "--grace-period", str(DRAIN_BOUND_S))
     try:
         assert f"and http://127.0.0.1:{port} (OpenAI-compatible HTTP)" in "".join(server.lines)
         base = f"http://127.0.0.1:{port}"
@@ -135,7 +138,7 @@ def test_http_door_of_the_process_serves_openai_clients_and_drains():
         assert refused.value.status_code == 503 and "draining" in refused.value.message
         chunks += list(stream)
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-        assert server.proc.wait(30) == 0
+        assert server.proc.wait(DRAIN_BOUND_S) == 0
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
