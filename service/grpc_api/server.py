@@ -48,7 +48,8 @@ class LoraServer:
         self.state = ServingState.WARMING_UP
         self.runner = EngineRunner(engine, config.limits)
         # Tracing on: the observer builds request and step spans from what the runner and the interceptor report.
-        self.observer = (TelemetryObserver(telemetry, self.runner.model_info().model, self.runner.has_adapter)
+        self.observer = (TelemetryObserver(telemetry, self.runner.model_info().model, self.runner.is_adapter_known,
+                                            adapter_tiers=self.runner.adapter_tiers)
                          if telemetry is not None else None)
         self.runner.observer = self.observer
         tracing = [TracingInterceptor(telemetry, self.observer)] if telemetry is not None else []
