@@ -73,6 +73,8 @@ class AdapterLoader:
         result = LoadResult(name, adapter, error, start_ns, time.time_ns())
         try:
             self._on_done(result)
+        except Exception as exc:  # noqa: BLE001 - the waiters get it as the load's error, never a raising future
+            result = LoadResult(name, None, exc, start_ns, result.end_ns)
         finally:
             with self._lock:
                 self._inflight.pop(name, None)
