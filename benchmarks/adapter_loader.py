@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="loader threads")
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--no-compile", action="store_true", help="eager engine (no torch.compile: starts in seconds)")
     args = p.parse_args()
     model = smollm2_checkpoint()
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +79,7 @@ def main() -> None:
         names = write_adapters(model, root, args.adapters)
         paths = [root / n for n in names]
         engine = engine_thread.call(Engine, EngineConfig(model=str(model), max_batch_size=8, max_seq_len=512,
-                                                         adapter_dirs=(str(root),)))
+                                                         adapter_dirs=(str(root),), compile=not args.no_compile))
         engine_thread.call(engine.warmup)
         read = engine.adapters.read  # what the loader threads run
 
@@ -93,8 +94,8 @@ def main() -> None:
                 loading.append(step())
             rates.append(r.reads / r.seconds)
         mi, ml = statistics.median(idle), statistics.median(loading)
-        print(f"CPU: {torch.get_num_threads()} torch threads; decode step at batch 8, median of {args.rounds} "
-              f"interleaved rounds")
+        print(f"CPU: {torch.get_num_threads()} torch threads; {'eager' if args.no_compile else 'compiled'} decode step "
+              f"at batch 8, median of {args.rounds} interleaved rounds")
         print(f"  no adapter reads:                    {1e3 * mi:.1f} ms")
         print(f"  loader reading ({args.threads} threads, numpy): {1e3 * ml:.1f} ms  ({ml / mi:.2f}x; "
               f"{statistics.median(rates):.0f} adapters/s read)")

@@ -146,7 +146,7 @@ def start_server(model: Path, adapter_dir: Path, args) -> tuple[subprocess.Popen
     cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--max-seq-len", "512",
            "--max-batch-size", str(args.max_batch_size), "--adapter-dir", str(adapter_dir),
            "--max-cpu-lora-bytes", str(args.max_cpu_lora_bytes), "--max-queue", str(args.num_requests),
-           "--log-level", "DEBUG"]
+           "--log-level", "DEBUG"] + (["--no-compile"] if args.no_compile else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = ServerLog(proc)
     while not log.ready.wait(1):
@@ -211,6 +211,7 @@ def main() -> None:
     p.add_argument("--max-output", type=int, default=48)
     p.add_argument("--max-cpu-lora-bytes", type=int, default=1 << 30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", action="store_true", help="serve eagerly (starts in seconds)")
     args = p.parse_args()
     if args.quick:
         args.num_requests, args.adapters = 60, 200
