@@ -93,6 +93,7 @@ def main() -> None:
             with Reader(read, paths, args.threads) as r:
                 loading.append(step())
             rates.append(r.reads / r.seconds)
+            print(f"  round: idle {1e3 * idle[-1]:.1f} ms, loading {1e3 * loading[-1]:.1f} ms", flush=True)
         mi, ml = statistics.median(idle), statistics.median(loading)
         print(f"CPU: {torch.get_num_threads()} torch threads; {'eager' if args.no_compile else 'compiled'} decode step "
               f"at batch 8, median of {args.rounds} interleaved rounds")
