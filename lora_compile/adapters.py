@@ -1,6 +1,10 @@
 """PEFT LoRA adapters read from disk (adapter_config.json + adapter_model.safetensors), validated.
 
 Only safetensors is read: a pickle file is refused, never opened.
+
+Reading and validating use numpy only, and one `torch.from_numpy` per tensor at the end (no torch op): this runs
+on the adapter loader's threads (adapter_loader.py), and a thread that runs parallel torch ops gets an OpenMP team
+of its own, which slows every later engine step on few cores (service/runner/engine_thread.py).
 """
 from __future__ import annotations
 
@@ -11,11 +15,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import safetensors
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from .config import ModelConfig
-from .errors import AdapterError, AdapterPathError
+from .errors import AdapterError, AdapterNameError, AdapterPathError
 from .model import LORA_TARGETS, PROJECTIONS, module_shapes
 
 CONFIG_FILE = "adapter_config.json"
@@ -23,6 +29,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _PARENTS = "|".join(sorted({path.split(".")[0] for path in PROJECTIONS}))  # self_attn, mlp
 _KEY = re.compile(rf"(?:^|\.)layers\.(\d+)\.((?:{_PARENTS})\.(\w+))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+MAX_ADAPTER_NAME_CHARS = 255  # a directory name (NAME_MAX on Linux filesystems)
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
 @dataclass
@@ -36,6 +44,33 @@ class LoRAAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory its weights take (what the host cache's byte budget counts)."""
+        return sum(a.nbytes + b.nbytes for layer in self.weights for a, b in layer.values())
+
+
+def check_adapter_name(name: str) -> None:
+    """Refuse a name that could not be one directory inside an adapter directory, before any file is touched:
+    no path separator, no "..", no NUL, no leading dot (hidden files, "." and ".."), not too long."""
+    problem = None
+    if not name:
+        problem = "must not be empty"
+    elif len(name) > MAX_ADAPTER_NAME_CHARS:
+        problem = f"must be at most {MAX_ADAPTER_NAME_CHARS} characters, got {len(name)}"
+    elif "\0" in name:
+        problem = "must not contain NUL"
+    elif "/" in name or "\\" in name:
+        problem = "must not contain a path separator (/ or \\)"
+    elif ".." in name:
+        problem = 'must not contain ".."'
+    elif name.startswith("."):
+        problem = "must not start with a dot"
+    elif not name.isprintable():
+        problem = "must not contain control characters"
+    if problem:
+        raise AdapterNameError(f"adapter name {name[:64]!r} {problem}")
 
 
 def resolve_adapter_path(path: str | os.PathLike, roots: tuple[str, ...]) -> Path:
@@ -159,23 +194,23 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
     rank, alpha, use_rslora = numbers.r, numbers.lora_alpha, numbers.use_rslora
 
     in_out = module_shapes(cfg)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     try:
-        with safe_open(str(weights_path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                m = _KEY.search(key)
-                if m is None:
-                    raise AdapterError(f"adapter {name!r}: {weights_path}: tensor {key!r} is not a supported LoRA weight")
-                layer, path, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-                if LORA_TARGETS.get(module) != path:
-                    raise AdapterError(f"adapter {name!r}: {weights_path}: module {module!r} ({key}) is not supported")
-                if layer >= cfg.num_hidden_layers:
-                    raise AdapterError(
-                        f"adapter {name!r}: {weights_path}: {key} names layer {layer}; the model has {cfg.num_hidden_layers}"
-                    )
-                pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)
+        tensors = safetensors.deserialize(weights_path.read_bytes())  # safetensors' own parser; no pickle
     except (SafetensorError, OSError) as e:
         raise AdapterError(f"adapter {name!r}: {weights_path} is not a readable safetensors file ({e})") from e
+    for key, spec in tensors:
+        m = _KEY.search(key)
+        if m is None:
+            raise AdapterError(f"adapter {name!r}: {weights_path}: tensor {key!r} is not a supported LoRA weight")
+        layer, path, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if LORA_TARGETS.get(module) != path:
+            raise AdapterError(f"adapter {name!r}: {weights_path}: module {module!r} ({key}) is not supported")
+        if layer >= cfg.num_hidden_layers:
+            raise AdapterError(
+                f"adapter {name!r}: {weights_path}: {key} names layer {layer}; the model has {cfg.num_hidden_layers}"
+            )
+        pairs.setdefault((layer, module), {})[which] = _float32(spec, f"adapter {name!r}: {weights_path}: {key}")
 
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(cfg.num_hidden_layers)]
     max_seen = 0
@@ -183,10 +218,10 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
         where = f"adapter {name!r}: layer {layer} {module}"
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"{where}: lora_A and lora_B must both be present")
-        a, b = ab["A"].float(), ab["B"].float()
+        a, b = ab["A"], ab["B"]
         n_in, n_out = in_out[module]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape != (n_out, r):
+        r = a.shape[0] if a.ndim else 0
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape != (n_out, r):
             raise AdapterError(
                 f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base model "
                 f"(expected ({r}, {n_in}) / ({n_out}, {r}))"
@@ -198,15 +233,29 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
         if r != configured:
             field = "rank_pattern" if configured != rank else "r"
             raise AdapterError(f"{where}: the tensors have rank {r} but adapter_config.json {field} says {configured}")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise AdapterError(f"{where}: weights contain NaN or infinity")
         module_alpha = _pattern_value(numbers.alpha_pattern, module_path, alpha)
-        scaled_b = b * (module_alpha / (math.sqrt(r) if use_rslora else r))
-        if not torch.isfinite(scaled_b).all():  # finite B and alpha can still overflow once scaled
+        with np.errstate(over="ignore"):
+            scaled_b = b * np.float32(module_alpha / (math.sqrt(r) if use_rslora else r))
+        if not np.isfinite(scaled_b).all():  # finite B and alpha can still overflow once scaled
             raise AdapterError(f"{where}: lora_B scaled by lora_alpha {module_alpha:g} / rank overflows to infinity")
-        weights[layer][module] = (a.contiguous(), scaled_b.contiguous())
+        weights[layer][module] = (torch.from_numpy(np.ascontiguousarray(a)),
+                                  torch.from_numpy(np.ascontiguousarray(scaled_b)))
         max_seen = max(max_seen, r)
     if not pairs:
         raise AdapterError(f"adapter {name!r}: {weights_path} holds no LoRA weights")
     targets = tuple(m for m in LORA_TARGETS if any(m in layer for layer in weights))
     return LoRAAdapter(name, directory, max_seen, alpha, use_rslora, targets, weights)
+
+
+def _float32(spec: dict, where: str) -> np.ndarray:
+    """One safetensors tensor as a float32 array, converted in numpy (bfloat16: its bits are float32's top half)."""
+    dtype, shape, data = spec["dtype"], tuple(spec["shape"]), spec["data"]
+    if dtype == "BF16":
+        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    if dtype not in _FLOAT_DTYPES:
+        raise AdapterError(f"{where}: dtype {dtype} is not supported; LoRA weights must be F32, F16, BF16 or F64")
+    array = np.frombuffer(data, dtype=np.dtype(_FLOAT_DTYPES[dtype]).newbyteorder("<")).reshape(shape)
+    return array.astype(np.float32)  # a copy: the file's bytes are not kept

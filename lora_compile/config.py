@@ -157,9 +157,13 @@ class EngineConfig:
     max_batch_size: int = 8          # running sequences = KV slots
     max_seq_len: int = 1024          # prompt + generated tokens per sequence
     max_num_batched_tokens: int = 256  # per step: decode tokens + prefill chunk tokens
-    max_loras_per_batch: int = 4     # device slots (slot 0, the base model, comes on top)
+    max_loras_per_batch: int = 8     # device slots = distinct adapters in a batch (slot 0, the base model, on top)
     max_lora_rank: int = 16
-    max_cpu_loras: int = 64          # adapters kept in host memory
+    # Host cache of adapters' weights, LRU; None: 1/8 of the memory available when the engine starts.
+    max_cpu_lora_bytes: int | None = None
+    # Served on demand: a request's adapter that is not registered is read from <dir>/<name>/ (also adapter roots).
+    adapter_dirs: tuple[str, ...] = ()
+    adapter_loader_threads: int = 2  # read + validate adapters off the engine thread
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = True
@@ -184,9 +188,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "max_loras_per_batch", "max_lora_rank",
-                     "merge_after_steps"):
+                     "merge_after_steps", "adapter_loader_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:
+            raise ValueError(f"max_cpu_lora_bytes must be >= 0, got {self.max_cpu_lora_bytes}")
         if self.merge_lone_adapter not in MERGE_MODES:
             raise ValueError(f"merge_lone_adapter must be one of {', '.join(MERGE_MODES)}, got {self.merge_lone_adapter!r}")
         if self.max_num_batched_tokens <= self.max_batch_size:

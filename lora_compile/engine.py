@@ -14,6 +14,7 @@ import torch
 from . import compile_policy, packed_gemm
 from .checkpoint import SafetensorsCheckpoint
 from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from .host_memory import available_memory_bytes
 from .forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from .layers import rope_tables
 from .lora_manager import LoRAManager
@@ -22,6 +23,9 @@ from .model import CausalLM
 from .sampling import NON_FINITE, SamplingParams, sample
 from .sequence import Sequence
 from .tokenizer import Tokenizer
+
+
+HOST_CACHE_SHARE = 8  # default host cache of adapters: 1/8 of the memory available at start
 
 
 @dataclass
@@ -55,6 +59,13 @@ class _Planned:
     @property
     def samples(self) -> bool:
         return self.start + self.length == self.seq.num_tokens
+
+
+def _host_cache_bytes(config: EngineConfig) -> int:
+    if config.max_cpu_lora_bytes is not None:
+        return config.max_cpu_lora_bytes
+    available = available_memory_bytes()
+    return available // HOST_CACHE_SHARE if available is not None else 1 << 30
 
 
 def _non_finite_message(seq: Sequence) -> str:
@@ -95,8 +106,8 @@ class Engine:
         self._free_kv = deque(range(config.max_batch_size))
         self.rope_cos, self.rope_sin = rope_tables(mc, config.max_seq_len, self.dtype, self.device)
         self.adapters = LoRAManager(
-            self.model, mc, config.max_loras_per_batch, config.max_lora_rank, config.max_cpu_loras,
-            tuple(config.adapter_roots),
+            self.model, mc, config.max_loras_per_batch, config.max_lora_rank, _host_cache_bytes(config),
+            tuple(config.adapter_roots), tuple(config.adapter_dirs), config.adapter_loader_threads, self.device,
         )
         self._merger = build_merger(self.model, config.merge_lone_adapter, self.weights_packed,
                                     self.adapters.slot_generation, config.merge_after_steps)

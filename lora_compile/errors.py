@@ -23,3 +23,7 @@ class AdapterInUseError(LoraCompileError):
 
 class AdapterPathError(AdapterError):
     """An adapter path outside the allowed root directories."""
+
+
+class AdapterNameError(AdapterError):
+    """An adapter name that cannot name a directory inside an adapter directory (checked before any file access)."""

@@ -159,6 +159,9 @@ class LoRALinear(nn.Module):
             if part is None:
                 continue
             a_part, b_part = part
+            # From pinned host memory on CUDA: queued on the current (copy) stream, no host sync.
+            a_part = a_part.to(a_rows.device, a_rows.dtype, non_blocking=True)
+            b_part = b_part.to(b.device, b.dtype, non_blocking=True)
             r = a_part.shape[0]
             start, end = self._slices[i]
             a_rows[i * self.max_rank : i * self.max_rank + r].copy_(a_part)

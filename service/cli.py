@@ -49,11 +49,21 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=engine_defaults["max_num_batched_tokens"],
                    help="tokens per engine step, prefill chunks included (default: %(default)s)")
     p.add_argument("--max-loras-per-batch", type=int, default=engine_defaults["max_loras_per_batch"],
-                   help="adapters resident on the device at once (default: %(default)s)")
+                   help="adapters resident on the device at once: the distinct adapters a batch may hold "
+                        "(default: %(default)s)")
     p.add_argument("--max-lora-rank", type=int, default=engine_defaults["max_lora_rank"],
                    help="default: %(default)s")
-    p.add_argument("--max-cpu-loras", type=int, default=engine_defaults["max_cpu_loras"],
-                   help="adapters kept in host memory; others are read from disk again when used "
+    p.add_argument("--max-cpu-lora-bytes", type=int, default=engine_defaults["max_cpu_lora_bytes"],
+                   help="bytes of adapter weights kept in host memory (LRU); others are read from disk again when "
+                        "used (default: 1/8 of the memory available at start)")
+    p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
+                   help="serve adapters on demand: a request naming an unregistered adapter NAME is served from "
+                        "DIR/NAME/ (adapter_config.json + adapter_model.safetensors), read on first use; DIR is "
+                        "also an adapter root (repeatable)")
+    p.add_argument("--adapter-loader-threads", type=int, default=engine_defaults["adapter_loader_threads"],
+                   help="threads reading and validating adapters off the engine thread (default: %(default)s)")
+    p.add_argument("--max-overtakes", type=int, default=RequestLimits().max_overtakes,
+                   help="requests admitted past one that waits for an adapter slot before admission holds for it "
                         "(default: %(default)s)")
     p.add_argument("--dtype", default=engine_defaults["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=engine_defaults["device"], help="auto, cpu, cuda, cuda:1, ...")
@@ -144,7 +154,8 @@ def _server_config(args: argparse.Namespace):
     limits = RequestLimits(
         max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_limit,
         max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
-        max_streams_per_connection=args.max_streams_per_connection, stall_timeout_s=args.stall_timeout)
+        max_streams_per_connection=args.max_streams_per_connection, stall_timeout_s=args.stall_timeout,
+        max_overtakes=args.max_overtakes)
     security = SecurityConfig(
         api_token=args.api_token or os.environ.get(API_TOKEN_ENV) or None,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
@@ -196,7 +207,8 @@ def serve_main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
             max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
             precompile=not args.no_precompile, prepack_weights=not args.no_prepack_weights, adapter_roots=roots,
-            max_cpu_loras=args.max_cpu_loras,
+            max_cpu_lora_bytes=args.max_cpu_lora_bytes, adapter_dirs=tuple(args.adapter_dir),
+            adapter_loader_threads=args.adapter_loader_threads,
             merge_lone_adapter=args.merge_lone_adapter, merge_after_steps=args.merge_after_steps,
         )
         server_config = _server_config(args)

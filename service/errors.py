@@ -134,6 +134,9 @@ def _classify(exc: BaseException) -> tuple[grpc.StatusCode, str, list]:
         return grpc.StatusCode.NOT_FOUND, str(exc), []
     if isinstance(exc, engine_errors.AdapterInUseError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc), []
+    if isinstance(exc, engine_errors.AdapterNameError):
+        return (grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                InvalidArgument([FieldViolation("adapter", str(exc))]).details())
     if isinstance(exc, engine_errors.AdapterPathError):  # the argument itself is not allowed
         return (grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                 InvalidArgument([FieldViolation("path", str(exc))]).details())

@@ -24,6 +24,9 @@ class RequestLimits:
     # max_concurrent_streams answers with RESOURCE_EXHAUSTED + RetryInfo, which grpc's transport refusal cannot)
     max_streams_per_connection: int | None = None
     stall_timeout_s: float = 60.0              # a finished stream's output waits this long for its reader
+    # Requests admitted past one that waits for a device slot (their adapters already hold slots) before admission
+    # holds for it (docs/architecture.md, adapter-aware admission).
+    max_overtakes: int = 16
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -38,5 +41,7 @@ class RequestLimits:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.max_streams_per_connection is not None and self.max_streams_per_connection < 1:
             raise ValueError(f"max_streams_per_connection must be >= 1, got {self.max_streams_per_connection}")
+        if self.max_overtakes < 0:
+            raise ValueError(f"max_overtakes must be >= 0, got {self.max_overtakes}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")

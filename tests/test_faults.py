@@ -60,7 +60,7 @@ def small_cache():
     """An engine that keeps ONE adapter in host memory and one on the device, so using another adapter
     evicts the first from both and its next use reads its files again."""
     model, _ = demo_paths()
-    engine = build_engine(model, {}, max_loras_per_batch=1, max_cpu_loras=1)
+    engine = build_engine(model, {}, max_loras_per_batch=1, max_cpu_lora_bytes=1)
     server = ServerThread(engine)
     yield server
     server.stop()

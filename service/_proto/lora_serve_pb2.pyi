@@ -14,11 +14,22 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+
+class AdapterTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_TIER_UNSPECIFIED: _ClassVar[AdapterTier]
+    ADAPTER_TIER_DISK: _ClassVar[AdapterTier]
+    ADAPTER_TIER_HOST: _ClassVar[AdapterTier]
+    ADAPTER_TIER_DEVICE: _ClassVar[AdapterTier]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+ADAPTER_TIER_UNSPECIFIED: AdapterTier
+ADAPTER_TIER_DISK: AdapterTier
+ADAPTER_TIER_HOST: AdapterTier
+ADAPTER_TIER_DEVICE: AdapterTier
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -137,7 +148,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_seq_len", "max_batch_size", "max_loras_per_batch", "max_lora_rank", "dtype", "device", "compiled", "eos_token_ids", "max_queue")
+    __slots__ = ("model", "architecture", "vocab_size", "max_seq_len", "max_batch_size", "max_loras_per_batch", "max_lora_rank", "dtype", "device", "compiled", "eos_token_ids", "max_queue", "max_cpu_lora_bytes", "on_demand_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +161,8 @@ class ModelInfoResponse(_message.Message):
     COMPILED_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ON_DEMAND_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -162,10 +175,12 @@ class ModelInfoResponse(_message.Message):
     compiled: bool
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_queue: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_loras_per_batch: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., compiled: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_queue: _Optional[int] = ...) -> None: ...
+    max_cpu_lora_bytes: int
+    on_demand_adapters: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_loras_per_batch: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., compiled: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_queue: _Optional[int] = ..., max_cpu_lora_bytes: _Optional[int] = ..., on_demand_adapters: _Optional[bool] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "path", "rank", "alpha", "target_modules", "device_slot", "active_requests")
+    __slots__ = ("name", "path", "rank", "alpha", "target_modules", "device_slot", "active_requests", "tier", "on_demand", "host_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +188,9 @@ class AdapterInfo(_message.Message):
     TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SLOT_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     rank: int
@@ -180,7 +198,10 @@ class AdapterInfo(_message.Message):
     target_modules: _containers.RepeatedScalarFieldContainer[str]
     device_slot: int
     active_requests: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., device_slot: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    tier: AdapterTier
+    on_demand: bool
+    host_bytes: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., device_slot: _Optional[int] = ..., active_requests: _Optional[int] = ..., tier: _Optional[_Union[AdapterTier, str]] = ..., on_demand: _Optional[bool] = ..., host_bytes: _Optional[int] = ...) -> None: ...
 
 class ListAdaptersRequest(_message.Message):
     __slots__ = ()

@@ -72,6 +72,9 @@ class AdapterInfo:
     target_modules: tuple[str, ...]
     device_slot: int | None
     active_requests: int
+    tier: str = "disk"        # where its weights are: "device" (a slot), "host" (memory) or "disk"
+    on_demand: bool = False   # served from an adapter directory (not registered)
+    host_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,8 @@ class ModelInfo:
     compiled: bool
     eos_token_ids: tuple[int, ...]
     max_queue: int
+    max_cpu_lora_bytes: int = 0
+    on_demand_adapters: bool = False
 
 
 # --- proto conversions (shared by both clients) -----------------------------------------------------
@@ -152,13 +157,17 @@ def join_chunks(chunks: list[GenerateChunk]) -> Completion:
 
 def _adapter_info(msg: pb.AdapterInfo) -> AdapterInfo:
     return AdapterInfo(msg.name, msg.path, msg.rank, msg.alpha, tuple(msg.target_modules),
-                       msg.device_slot if msg.HasField("device_slot") else None, msg.active_requests)
+                       msg.device_slot if msg.HasField("device_slot") else None, msg.active_requests,
+                       _TIER_NAMES.get(msg.tier, "disk"), msg.on_demand, msg.host_bytes)
 
 
 def _model_info(msg: pb.ModelInfoResponse) -> ModelInfo:
     return ModelInfo(msg.model, msg.architecture, msg.vocab_size, msg.max_seq_len, msg.max_batch_size,
                      msg.max_loras_per_batch, msg.max_lora_rank, msg.dtype, msg.device, msg.compiled,
-                     tuple(msg.eos_token_ids), msg.max_queue)
+                     tuple(msg.eos_token_ids), msg.max_queue, msg.max_cpu_lora_bytes, msg.on_demand_adapters)
+
+
+_TIER_NAMES = {pb.ADAPTER_TIER_DISK: "disk", pb.ADAPTER_TIER_HOST: "host", pb.ADAPTER_TIER_DEVICE: "device"}
 
 
 _HEALTH_NAMES = {v: k for k, v in health_pb2.HealthCheckResponse.ServingStatus.items()}
@@ -208,7 +217,9 @@ class LoraServeClient:
     def list_adapters(self) -> list[AdapterInfo]:
         return [_adapter_info(a) for a in self._unary(self._adapters.ListAdapters, pb.ListAdaptersRequest()).adapters]
 
-    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+    def load_adapter(self, name: str, path: str = "") -> AdapterInfo:
+        """Register `name` from directory `path` on the server; with no path, read adapter `name` from the
+        server's adapter directories into its host memory (a prefetch)."""
         resp = self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)),
                            metadata=with_trace_context(self._admin_metadata))
         return _adapter_info(resp.adapter)
@@ -281,7 +292,7 @@ class AsyncLoraServeClient:
         resp = await self._unary(self._adapters.ListAdapters, pb.ListAdaptersRequest())
         return [_adapter_info(a) for a in resp.adapters]
 
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+    async def load_adapter(self, name: str, path: str = "") -> AdapterInfo:
         resp = await self._unary(self._adapters.LoadAdapter, pb.LoadAdapterRequest(name=name, path=str(path)),
                                  metadata=with_trace_context(self._admin_metadata))
         return _adapter_info(resp.adapter)

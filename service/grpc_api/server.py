@@ -69,7 +69,8 @@ class LoraServer:
         self.state = ServingState.WARMING_UP
         self.runner = EngineRunner(engine, config.limits)
         # Tracing on: the observer builds request and step spans from what the runner and the interceptor report.
-        self.observer = (TelemetryObserver(telemetry, self.runner.model_info().model, self.runner.has_adapter)
+        self.observer = (TelemetryObserver(telemetry, self.runner.model_info().model, self.runner.is_adapter_known,
+                                            adapter_tiers=self.runner.adapter_tiers)
                          if telemetry is not None else None)
         # /metrics (the HTTP door): gauges read from the runner when scraped, counters fed like the observer.
         self.metrics = (PrometheusMetrics(self.runner.stats, self.runner.model_info().model)

@@ -28,6 +28,7 @@ _FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
     "eos": pb.FINISH_REASON_EOS, "cancelled": pb.FINISH_REASON_CANCELLED,
 }
+_TIERS = {"disk": pb.ADAPTER_TIER_DISK, "host": pb.ADAPTER_TIER_HOST, "device": pb.ADAPTER_TIER_DEVICE}
 _TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop (the tokenizer thread)
 _MAX_PATH_CHARS = 4096
 
@@ -99,6 +100,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_batch_size=m.max_batch_size, max_loras_per_batch=m.max_loras_per_batch,
             max_lora_rank=m.max_lora_rank, dtype=m.dtype, device=m.device, compiled=m.compiled,
             eos_token_ids=list(m.eos_token_ids), max_queue=self._runner.limits.max_queue,
+            max_cpu_lora_bytes=m.max_cpu_lora_bytes, on_demand_adapters=m.on_demand_adapters,
         )
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -122,12 +124,19 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
         return pb.ListAdaptersResponse(adapters=[self._info(a) for a in self._runner.list_adapters()])
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
-        bad = [FieldViolation(f, "must not be empty") for f in ("name", "path") if not getattr(request, f)]
+        # No path: a prefetch of an adapter-directory adapter (its name is checked before any file access).
+        required = ("name",) if self._runner.model_info().on_demand_adapters else ("name", "path")
+        bad = [FieldViolation(f, "must not be empty") for f in required if not getattr(request, f)]
         bad += [FieldViolation(f, f"at most {n} characters") for f, n in (("name", MAX_NAME_CHARS),
                                                                           ("path", _MAX_PATH_CHARS))
                 if len(getattr(request, f)) > n]
         if bad:
             raise InvalidArgument(bad)
+        if not request.path:
+            if not self._runner.has_adapter(request.name):
+                raise NotFound("adapter", request.name)
+            info = await self._runner.load_adapter(request.name, None)
+            return pb.LoadAdapterResponse(adapter=self._info(info))
         check_adapter_path(request.path, self._runner.adapter_roots)  # a precise message for escapes
         if self._runner.adapter_users(request.name):
             raise FailedPrecondition(f"adapter {request.name!r} is in use by in-flight requests; "
@@ -160,6 +169,9 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
                              active_requests=self._runner.adapter_users(info.name))
         if info.device_slot is not None:
             msg.device_slot = info.device_slot
+        msg.tier = _TIERS[info.tier]
+        msg.on_demand = info.on_demand
+        msg.host_bytes = info.host_bytes
         return msg
 
 

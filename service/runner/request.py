@@ -36,6 +36,8 @@ class ModelInfo:
     compiled: bool
     eos_token_ids: tuple[int, ...]
     max_token_chars: int     # the tokenizer's longest token, in characters (bounds a text prompt's length)
+    max_cpu_lora_bytes: int = 0       # host cache of adapters
+    on_demand_adapters: bool = False  # adapter directories are set
 
 
 @dataclass
@@ -70,7 +72,9 @@ class RequestEventType(enum.Enum):
     """vLLM v1's EngineCoreEventType, for one request's life in the runner."""
 
     QUEUED = "queued"            # add_request
-    ADMITTED = "admitted"        # fields: start_ns (admission began), adapter_loaded (copied into a device slot)
+    # fields: start_ns (admission began), adapter_loaded (copied into a device slot); when it waited for its
+    # adapter's disk read: adapter_wait_start_ns (when it began waiting), adapter_read (the read's start, end)
+    ADMITTED = "admitted"
     FIRST_TOKEN = "first_token"  # at the end of the step that sampled it
     FINISHED = "finished"        # fields: finish_reason, prompt_tokens, completion_tokens; or error (the exception)
     ABORTED = "aborted"          # the client went away before the last output (cancel, deadline, closed stream)

@@ -36,6 +36,12 @@ class RequestState:
     expired: bool = False  # the finished output was left unread for keep_finished_s
     # Append-only (the engine thread stamps admission while the loop may read): readers keep their own index.
     events: list[RequestEvent] = field(default_factory=list)
+    # Adapter admission (admission.py): the host load it waits on, when it began waiting, the read's (start, end)
+    # wall clock, and how many requests were admitted past it while it waited for a device slot.
+    adapter_load: Any = None
+    adapter_wait_ns: int | None = None
+    adapter_read: tuple[int, int] | None = None
+    overtaken: int = 0
     _pending: RequestOutput | Exception | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -2,7 +2,8 @@
 
 A waiting queue (FIFO) and a running set. Each loop iteration makes ONE call into the engine thread that
   1. releases sequences that finished or were aborted since the last step,
-  2. admits waiting requests in order while `engine.try_admit` says yes (the first "no" stops: fairness),
+  2. admits waiting requests (admission.py: first come first served, but a request whose adapter is still being
+     read, or waits for a device slot, does not hold up the others; adapters are read on the loader threads),
   3. runs `engine.step(running)`,
 and then, back on the event loop, turns each sequence's new tokens into a RequestOutput on its queue.
 All engine calls run in the process's one engine thread (engine_thread.py), so they never overlap and the
@@ -16,18 +17,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine, Sequence
 from lora_compile.errors import AdapterError
 from lora_compile.lora_manager import AdapterInfo
-from service.errors import EngineFailure, FailedPrecondition, QueueFull, TooManyStreams, Unavailable
+from service.errors import EngineFailure, QueueFull, TooManyStreams, Unavailable
 from service.limits import RequestLimits
+from service.runner.admission import admit, load_error, start_load
 from service.runner.output import OutputProcessor
 from service.runner.request import GenerationRequest, ModelInfo, RequestEventType
 from service.runner.request_state import RequestState
@@ -61,6 +62,7 @@ class IterationResult:
     stepped: list[RequestState]
     step_error: Exception | None = None
     step: StepOutput | None = None
+    adapter_events: list = field(default_factory=list)  # lora_manager.AdapterEvent: loads, copies, evictions
 
 
 class RunnerObserver(Protocol):
@@ -87,6 +89,7 @@ class EngineRunner:
         self._to_release: list[Sequence] = []   # engine.release at the start of the next iteration
         self._seq_ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._accepting = True
         self._idle: asyncio.Event | None = None
@@ -96,6 +99,7 @@ class EngineRunner:
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         self._wakeup, self._idle = asyncio.Event(), asyncio.Event()
+        self._event_loop = asyncio.get_running_loop()
         self._idle.set()
         self._task = asyncio.create_task(self._loop(), name="engine-runner")
 
@@ -138,7 +142,8 @@ class EngineRunner:
             max_batch_size=cfg.max_batch_size, max_loras_per_batch=cfg.max_loras_per_batch,
             max_lora_rank=cfg.max_lora_rank, dtype=str(engine.dtype).removeprefix("torch."),
             device=str(engine.device), compiled=cfg.compile, eos_token_ids=tuple(sorted(tok.eos_token_ids)),
-            max_token_chars=tok.max_token_chars)
+            max_token_chars=tok.max_token_chars, max_cpu_lora_bytes=engine.adapters.max_cpu_lora_bytes,
+            on_demand_adapters=bool(engine.adapters.adapter_dirs))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize (thread-safe: the tokenizer is not torch; long texts release the GIL)."""
@@ -148,7 +153,16 @@ class EngineRunner:
         return [self.engine.tokenizer.id_to_token(i) or "" for i in ids]
 
     def has_adapter(self, name: str) -> bool:
+        """Registered, or found in an adapter directory. Raises AdapterNameError (INVALID_ARGUMENT) for a name
+        that cannot be an adapter directory's entry, before any file is touched."""
+        return self.engine.adapters.knows(name)
+
+    def is_adapter_known(self, name: str) -> bool:
+        """Registered or read once (no file access): for telemetry labels."""
         return name in self.engine.adapters
+
+    def adapter_tiers(self) -> dict[str, int]:
+        return self.engine.adapters.tier_counts()
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.adapters.list()
@@ -157,10 +171,20 @@ class EngineRunner:
     def adapter_roots(self) -> tuple[str, ...]:
         return self.engine.adapters.roots
 
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        # Between steps, in the engine thread (as vLLM's workers load adapters): torch work on any other thread
-        # would slow every later step (engine_thread.py). Streams pause while the files are read.
-        return await engine_thread.run(self.engine.adapters.register, name, path)
+    async def load_adapter(self, name: str, path: str | None) -> AdapterInfo:
+        """Register `name` from `path`, or with no path read an adapter-directory adapter into host memory
+        (a prefetch). The files are read on the loader threads; streams keep stepping meanwhile."""
+        manager = self.engine.adapters
+        if not path:
+            future = manager.prefetch(name)
+            if future is not None:
+                result = await asyncio.wrap_future(future)
+                if result.error is not None:
+                    raise result.error
+            return next(a for a in manager.list() if a.name == name)
+        adapter = await asyncio.wrap_future(manager.loader.run(manager.read, name, path))
+        # Between steps: replacing an adapter clears its device slot, which a step must not see half-done.
+        return await engine_thread.run(manager.register_loaded, adapter)
 
     async def unload_adapter(self, name: str) -> None:
         # Between steps: unloading clears the adapter's device slot, which a step must not see half-done.
@@ -192,6 +216,7 @@ class EngineRunner:
         state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop),
                              keep_finished_s=self.limits.stall_timeout_s)
         state.record_event(RequestEventType.QUEUED)
+        start_load(self.engine, state, self._on_load_done)  # its adapter's read starts now, while it queues
         if self.observer is not None:
             self.observer.on_added(state)
         self._open_streams += 1
@@ -264,8 +289,7 @@ class EngineRunner:
                 continue
             self._wakeup.clear()
             to_release, self._to_release = self._to_release, []
-            free = self.engine.config.max_batch_size - len(self._running)
-            candidates = list(itertools.islice(self._waiting, max(0, free)))
+            candidates = list(self._waiting)
             try:
                 result = await engine_thread.run(
                     self._engine_iteration, to_release, candidates, list(self._running))
@@ -278,6 +302,14 @@ class EngineRunner:
                 # Nothing running and the head of the queue cannot be admitted (e.g. its adapter has no free
                 # slot): sleep until a new request, an abort or a release wakes us.
                 await self._wakeup.wait()
+
+    def _on_load_done(self, _future) -> None:
+        """An adapter read finished (a loader thread): wake the loop, whose waiting requests may now be admitted."""
+        try:
+            if self._event_loop is not None:
+                self._event_loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed (shutdown)
+            pass
 
     def _fail_all(self, error: Exception) -> None:
         for state in [*self._waiting, *self._running]:
@@ -298,20 +330,9 @@ class EngineRunner:
         """Runs in the engine thread."""
         for seq in to_release:
             self._release(seq)
-        result = IterationResult(admitted=[], rejected=[], stepped=[])
-        for state in candidates:
-            if state.aborted:
-                result.rejected.append((state, None))  # dropped; nothing to report to anyone
-                continue
-            admit_ns = time.time_ns()
-            try:
-                if not self.engine.try_admit(state.seq):
-                    break  # FIFO: nobody overtakes the head of the queue
-            except Exception as exc:  # noqa: BLE001 - e.g. the adapter was unloaded while it waited
-                result.rejected.append((state, exc))
-                continue
-            state.record_event(RequestEventType.ADMITTED, start_ns=admit_ns, adapter_loaded=state.seq.adapter_loaded)
-            result.admitted.append(state)
+        admitted, rejected = admit(self.engine, candidates, self.limits.max_overtakes, self._on_load_done)
+        result = IterationResult(admitted=admitted, rejected=rejected, stepped=[],
+                                 adapter_events=self.engine.adapters.take_events())
         result.stepped = [s for s in running if not s.aborted] + result.admitted
         if result.stepped:
             try:
@@ -327,10 +348,14 @@ class EngineRunner:
         self._waiting = deque(s for s in self._waiting if id(s) not in handled)
         for state, exc in result.rejected:
             if isinstance(exc, AdapterError):  # its files changed since registration (re-read after eviction)
-                exc = FailedPrecondition(f"adapter {state.request.adapter!r} can no longer be loaded: {exc}")
+                exc = load_error(state.request.adapter, exc, True)
             if exc is not None:  # engine errors (e.g. AdapterNotFoundError) map to statuses in errors.py
                 state.finish_with(exc)
         self._running.extend(result.admitted)
+        if result.adapter_events and log.isEnabledFor(logging.DEBUG):
+            for e in result.adapter_events:  # (benchmarks.many_adapters reads these lines)
+                log.debug("adapter event %s %s start_ns=%d end_ns=%d bytes=%d", e.kind, e.name, e.start_ns,
+                          e.end_ns, e.nbytes)
         if self.observer is not None:
             # Reported once the next step is under way (call_soon: after _loop has handed the next iteration to
             # the engine thread), with the events stamped below.

@@ -13,7 +13,9 @@ Spans of one Generate call:
   loraserve.v1.Generation/Generate        SERVER (telemetry_interceptor.py)
   └ text_completion {adapter|base model}  GenAI attributes; events first_token, cancelled
     ├ queue                               queued → admission
-    ├ adapter.load                        admission copied the adapter into a device slot
+    ├ adapter.load                        its adapter was read from disk and/or copied into a device slot for it;
+    │ ├ adapter.load.disk_read            attribute lora_serve.adapter.wait_s: how long the request was blocked
+    │ └ adapter.load.device_copy          on it (queued → adapter in host memory)
     └ prefill                             admission → first token
 and per engine step (a trace of its own, linked to the request spans of the sequences it ran):
   engine.step → lora.batch_init, [lora.merge,] model.forward, sample
@@ -48,6 +50,8 @@ _DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_EVENT_METRIC = {"load": ("disk_read", "ok"), "load_failed": (None, "error"), "device_copy": ("device_copy", None)}
 _STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 _ROOT = Context()  # engine steps start their own traces, whatever the current context
@@ -81,7 +85,7 @@ class TelemetryObserver:
     names stay out of span names and metric labels)."""
 
     def __init__(self, telemetry: Telemetry, model_name: str, known_adapter: Callable[[str], bool] = lambda _: True,
-                 max_model_labels: int = MAX_MODEL_LABELS):
+                 max_model_labels: int = MAX_MODEL_LABELS, adapter_tiers: Callable[[], dict[str, int]] | None = None):
         self.tracer = telemetry.tracer
         self._model_name = model_name
         self._known = known_adapter
@@ -107,6 +111,21 @@ class TelemetryObserver:
         self.forward = meter.create_histogram(
             "lora_serve.step.forward.duration", "s", "Engine step: the model's forward",
             explicit_bucket_boundaries_advisory=_STEP_BUCKETS)
+        # Adapter tiers (the runner's adapter events; the same names with "_" go to Prometheus after merge).
+        self.adapter_loads = meter.create_counter(
+            "lora_serve.adapter.loads", "{load}", "Adapter reads from disk, by result (ok, error)")
+        self.adapter_evictions = meter.create_counter(
+            "lora_serve.adapter.evictions", "{eviction}", "Adapters evicted, by tier left (host, device)")
+        self.adapter_load_time = meter.create_histogram(
+            "lora_serve.adapter.load.duration", "s", "Adapter load phases: disk_read (loader thread), device_copy "
+            "(between steps)", explicit_bucket_boundaries_advisory=_LOAD_BUCKETS)
+        if adapter_tiers is not None:
+            from opentelemetry.metrics import Observation
+
+            meter.create_observable_gauge(
+                "lora_serve.adapter.count", [lambda _options: [Observation(n, {"lora_serve.adapter.tier": tier})
+                                                               for tier, n in adapter_tiers().items()]],
+                "{adapter}", "Known adapters by the fastest tier holding them (device, host, disk)")
         self._labels: dict[str, str] = {}
         self._max_labels = max_model_labels
 
@@ -139,6 +158,7 @@ class TelemetryObserver:
             rec = self._requests.get(state)
             if rec is not None and not rec.ended and rec.seen < len(state.events):
                 self._read_events(rec, state)
+        self.record_adapter_events(result.adapter_events)
         if result.step is not None:  # None: the step failed (its requests end with INTERNAL) or nothing ran
             self.record_step(result.step, len(result.stepped),
                              [rec for s in result.stepped if (rec := self._requests.get(s)) is not None])
@@ -194,8 +214,8 @@ class TelemetryObserver:
             elif kind is RequestEventType.ADMITTED:
                 rec.admit_start_ns, rec.admit_end_ns = fields["start_ns"], at
                 self._child(rec, "queue", rec.queued_ns or rec.admit_start_ns, rec.admit_start_ns)
-                if fields.get("adapter_loaded"):
-                    self._child(rec, "adapter.load", rec.admit_start_ns, at, {"lora_serve.adapter.name": rec.model})
+                if fields.get("adapter_loaded") or fields.get("adapter_read"):
+                    self._adapter_load(rec, fields, at)
             elif kind is RequestEventType.FIRST_TOKEN:
                 rec.first_token_ns = at
                 ttft = (at - rec.start_ns) / 1e9
@@ -210,6 +230,39 @@ class TelemetryObserver:
                     self._finished(rec, at, fields)
             elif kind is RequestEventType.ABORTED:
                 rec.aborted = True
+
+    def _adapter_load(self, rec: _Request, fields: dict[str, Any], admitted_ns: int) -> None:
+        """adapter.load under the request: the disk read it waited for, the device copy its admission made."""
+        if not rec.span.is_recording():
+            return
+        read = fields.get("adapter_read")
+        copied = fields.get("adapter_loaded")
+        start = read[0] if read else rec.admit_start_ns
+        end = admitted_ns if copied else read[1]
+        attrs: dict[str, Any] = {"lora_serve.adapter.name": rec.model}
+        waited = fields.get("adapter_wait_start_ns")
+        if waited is not None:
+            attrs["lora_serve.adapter.wait_s"] = max(0, (read[1] if read else rec.admit_start_ns) - waited) / 1e9
+        span = self.tracer.start_span("adapter.load", context=rec.ctx, start_time=start, attributes=attrs)
+        ctx = trace.set_span_in_context(span)
+        if read:
+            self.tracer.start_span("adapter.load.disk_read", context=ctx, start_time=read[0],
+                                   attributes={"lora_serve.adapter.phase": "disk_read"}).end(end_time=read[1])
+        if copied:
+            self.tracer.start_span("adapter.load.device_copy", context=ctx, start_time=rec.admit_start_ns,
+                                   attributes={"lora_serve.adapter.phase": "device_copy"}).end(end_time=admitted_ns)
+        span.end(end_time=end)
+
+    def record_adapter_events(self, events) -> None:
+        for event in events:
+            if event.kind.startswith("evict_"):
+                self.adapter_evictions.add(1, {"lora_serve.adapter.tier": event.kind.removeprefix("evict_")})
+                continue
+            phase, outcome = _EVENT_METRIC.get(event.kind, (None, None))
+            if outcome is not None:
+                self.adapter_loads.add(1, {"lora_serve.adapter.load.result": outcome})
+            if phase is not None:
+                self.adapter_load_time.record((event.end_ns - event.start_ns) / 1e9, {"lora_serve.adapter.phase": phase})
 
     def _finished(self, rec: _Request, at: int, fields: dict[str, Any]) -> None:
         """The last output: usage and finish reason (the span ends with the stream, or the call)."""

@@ -236,6 +236,10 @@ class OtlpSink:
     def spans(self) -> list[SpanRecord]:
         return spans_from_proto(self.trace_requests())
 
+    def metric_requests(self) -> list[ExportMetrics]:
+        with self._lock:
+            return list(self._metrics)
+
     def histograms(self) -> list[HistogramPoint]:
         with self._lock:
             requests = list(self._metrics)

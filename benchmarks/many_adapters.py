@@ -1,0 +1,265 @@
+"""Many adapters served on demand: 1000 small adapters in an --adapter-dir, Poisson arrivals, adapters drawn Zipf
+(alpha 1) or uniform, against one real lora-serve process (compiled, SmolLM2-135M-shaped checkpoint).
+
+    python -m benchmarks.many_adapters [--quick] [--num-requests 300] [--rate 3] [--adapters 1000]
+
+The adapters (rank 8 and 16 alternating, q_proj + v_proj, float16) are generated deterministically into a
+temporary directory. One server runs every phase, interleaved in one process so the ratios share the machine's
+state; each phase uses its own names (links inside the directory to the same files), so each starts cold:
+  eight     requests over 8 adapters (Zipf), read on their first use      — the throughput reference
+  zipf      requests over all adapters, Zipf alpha 1, cold                — loads while streams run
+  warm      the zipf phase's requests again, their adapters prefetched    — the ITL reference
+  uniform   requests over all adapters, uniform, cold                     — mostly cold, host evictions
+Prints throughput, TTFT P50/P95 split by cold (first request of its adapter in the phase) and warm, ITL P95 of
+the gaps that overlap an adapter read vs the warm phase's ITL P95, cold TTFT against its adapter's read time + 2
+steps, and the loads and evictions of each phase (from the server's DEBUG adapter-event lines).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import smollm2_checkpoint
+from benchmarks.serving import draw_adapter, percentile
+from service.client import AsyncLoraServeClient
+
+MODULES = ("q_proj", "v_proj")
+_EVENT = re.compile(r"adapter event (\w+) (\S+) start_ns=(\d+) end_ns=(\d+) bytes=(\d+)")
+
+
+def write_adapters(base: Path, root: Path, count: int) -> list[str]:
+    """`count` PEFT adapters t0000.. under root, float16, seeded by index (numpy: fast and deterministic)."""
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((base / "config.json").read_text())
+    h = cfg["hidden_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    outs = {"q_proj": h, "v_proj": kv}
+    names = []
+    for i in range(count):
+        name, rank = f"t{i:04d}", 8 if i % 2 == 0 else 16
+        rng = np.random.default_rng(i)
+        tensors = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            for m in MODULES:
+                key = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+                tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, h)) * h ** -0.5).astype(np.float16)
+                tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((outs[m], rank)) * 0.01).astype(np.float16)
+        out = root / name
+        out.mkdir(parents=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+            "target_modules": list(MODULES), "bias": "none"}))
+        names.append(name)
+    return names
+
+
+def alias(root: Path, prefix: str, names: list[str]) -> list[str]:
+    """Names `<prefix>-tNNNN` for the same files (relative links inside the directory: allowed)."""
+    out = []
+    for name in names:
+        (root / f"{prefix}-{name}").symlink_to(name, target_is_directory=True)
+        out.append(f"{prefix}-{name}")
+    return out
+
+
+@dataclass
+class Result:
+    adapter: str
+    start: float = 0.0          # wall clock (time.time) at send
+    ttft: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # wall clock of each token's arrival
+    cold: bool = False
+    error: str | None = None
+
+
+async def one(client: AsyncLoraServeClient, prompt: list[int], adapter: str, max_new: int, cold: bool) -> Result:
+    r = Result(adapter, time.time(), cold=cold)
+    try:
+        async for chunk in client.generate(prompt, adapter=adapter, max_new_tokens=max_new, ignore_eos=True):
+            now = time.time()
+            r.token_times += [now] * len(chunk.token_ids)
+        r.ttft = r.token_times[0] - r.start
+    except Exception as exc:  # noqa: BLE001 - counted and reported
+        r.error = f"{type(exc).__name__}: {exc}"
+    return r
+
+
+async def run_phase(target: str, specs, rate: float, seed: int) -> tuple[list[Result], float]:
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    async with AsyncLoraServeClient(target) as client:
+        tasks, t0 = [], time.perf_counter()
+        for prompt, adapter, max_new in specs:
+            cold = adapter not in seen
+            seen.add(adapter)
+            tasks.append(asyncio.create_task(one(client, prompt, adapter, max_new, cold)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
+async def prefetch(target: str, names: list[str]) -> None:
+    async with AsyncLoraServeClient(target) as client:
+        for name in sorted(set(names)):
+            await client.load_adapter(name)
+
+
+class ServerLog:
+    """Drains the server's output; keeps its adapter events (wall-clock ns)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.events: list[tuple[str, str, int, int, int]] = []
+        self.ready = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc):
+        for line in proc.stdout:
+            m = _EVENT.search(line)
+            if m:
+                self.events.append((m[1], m[2], int(m[3]), int(m[4]), int(m[5])))
+            elif "ready on" in line:
+                self.ready.set()
+
+
+def start_server(model: Path, adapter_dir: Path, args) -> tuple[subprocess.Popen, str, ServerLog]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--max-seq-len", "512",
+           "--max-batch-size", str(args.max_batch_size), "--adapter-dir", str(adapter_dir),
+           "--max-cpu-lora-bytes", str(args.max_cpu_lora_bytes), "--max-queue", str(args.num_requests),
+           "--log-level", "DEBUG"] + (["--no-compile"] if args.no_compile else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = ServerLog(proc)
+    while not log.ready.wait(1):
+        if proc.poll() is not None:
+            raise RuntimeError(f"lora-serve exited with {proc.returncode} before it was ready")
+    return proc, f"127.0.0.1:{port}", log
+
+
+def specs_for(names: list[str], zipf: float, args, seed: int):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 500) for _ in range(rng.randint(16, 64))], draw_adapter(rng, names, zipf),
+             rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
+
+
+def summarize(label: str, results: list[Result], duration: float, events, warm_itl_p95: float | None,
+              step: float | None) -> dict:
+    ok = [r for r in results if r.error is None]
+    errors = [r.error for r in results if r.error]
+    tokens = sum(len(r.token_times) for r in ok)
+    loads = [(name, s / 1e9, e / 1e9) for kind, name, s, e, _ in events if kind == "load"]
+    load_of = {name: e - s for name, s, e in loads}
+    gaps_all, gaps_loading = [], []
+    for r in ok:
+        for a, b in zip(r.token_times, r.token_times[1:]):
+            gaps_all.append(b - a)
+            if any(s < b and a < e for _, s, e in loads):
+                gaps_loading.append(b - a)
+    cold = [r.ttft for r in ok if r.cold]
+    warm = [r.ttft for r in ok if not r.cold]
+    count = {k: sum(1 for e in events if e[0] == k) for k in ("load", "load_failed", "evict_host", "evict_device",
+                                                              "device_copy")}
+    out = {"label": label, "ok": len(ok), "errors": len(errors), "duration": duration, "tok_s": tokens / duration,
+           "itl_p95": percentile(gaps_all, 95), "itl_p95_loading": percentile(gaps_loading, 95),
+           "n_loading_gaps": len(gaps_loading), **count}
+    print(f"--- {label}: {len(ok)} ok, {len(errors)} failed{' (' + errors[0] + ')' if errors else ''}; "
+          f"{duration:.1f}s; {tokens / duration:.1f} output tok/s, {len(ok) / duration:.2f} req/s")
+    print(f"    TTFT ms cold (n={len(cold)}): P50 {1e3 * percentile(cold, 50):.0f} P95 {1e3 * percentile(cold, 95):.0f}; "
+          f"warm (n={len(warm)}): P50 {1e3 * percentile(warm, 50):.0f} P95 {1e3 * percentile(warm, 95):.0f}")
+    print(f"    ITL P95 ms: all {1e3 * out['itl_p95']:.1f}; during adapter reads {1e3 * out['itl_p95_loading']:.1f} "
+          f"(n={len(gaps_loading)})" + (f"; / warm P95 = {out['itl_p95_loading'] / warm_itl_p95:.2f}x"
+                                         if warm_itl_p95 and gaps_loading else ""))
+    print(f"    loads {count['load']} (failed {count['load_failed']}), read ms P50 "
+          f"{1e3 * percentile(list(load_of.values()), 50):.1f} P95 {1e3 * percentile(list(load_of.values()), 95):.1f}; "
+          f"device copies {count['device_copy']}; evictions host {count['evict_host']} device {count['evict_device']}")
+    if step and load_of:
+        slack = [(r.ttft - load_of[r.adapter]) / step for r in ok if r.cold and r.adapter in load_of]
+        within = sum(1 for x in slack if x <= 2)
+        out["cold_within"] = within / max(1, len(slack))
+        print(f"    cold TTFT - its read time, in steps ({1e3 * step:.1f} ms): P50 {percentile(slack, 50):.1f} "
+              f"P95 {percentile(slack, 95):.1f}; within read + 2 steps: {within}/{len(slack)}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="60 requests per phase, 200 adapters (a smoke run)")
+    p.add_argument("--adapters", type=int, default=1000)
+    p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--rate", type=float, default=3.0, help="requests/s (Poisson)")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=48)
+    p.add_argument("--max-cpu-lora-bytes", type=int, default=1 << 30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", action="store_true", help="serve eagerly (starts in seconds)")
+    args = p.parse_args()
+    if args.quick:
+        args.num_requests, args.adapters = 60, 200
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model = smollm2_checkpoint()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        t0 = time.perf_counter()
+        base_names = write_adapters(model, root, args.adapters)
+        size = sum(f.stat().st_size for f in root.rglob("*.safetensors"))
+        print(f"{args.adapters} adapters written in {time.perf_counter() - t0:.1f}s ({size / 2**20:.0f} MiB on disk)")
+        proc, target, log = start_server(model, root, args)
+        try:
+            print(f"lora-serve at {target}: batch {args.max_batch_size}, default max-loras-per-batch, host cache "
+                  f"{args.max_cpu_lora_bytes / 2**20:.0f} MiB, rate {args.rate} req/s, {args.num_requests} requests "
+                  f"per phase, CPU: {os.cpu_count()} cores")
+            phases = {}
+            eight = alias(root, "eight", base_names[:8])
+            zipf = alias(root, "zipf", base_names)
+            warm = alias(root, "warm", base_names)
+            uniform = alias(root, "uniform", base_names)
+            plan = [("eight", eight, 1.0), ("zipf", zipf, 1.0), ("warm", warm, 1.0), ("uniform", uniform, 0.0)]
+            for label, names, alpha in plan:
+                specs = specs_for(names, alpha, args, args.seed)  # the same draws in every phase
+                if label == "warm":
+                    asyncio.run(prefetch(target, [a for _, a, _ in specs]))
+                    time.sleep(1)
+                first = len(log.events)
+                results, duration = asyncio.run(run_phase(target, specs, args.rate, args.seed))
+                time.sleep(0.5)  # the last events' log lines
+                phases[label] = (results, duration, log.events[first:])
+            w = summarize("warm", *phases["warm"], None, None)
+            step = statistics.median(b - a for r in phases["warm"][0] if r.error is None
+                                     for a, b in zip(r.token_times, r.token_times[1:]))
+            out = {"warm": w}
+            for label in ("eight", "zipf", "uniform"):
+                out[label] = summarize(label, *phases[label], w["itl_p95"], step)
+            print("--- ratios (one server, phases back to back)")
+            print(f"    throughput zipf/eight {out['zipf']['tok_s'] / out['eight']['tok_s']:.2f}x, "
+                  f"uniform/eight {out['uniform']['tok_s'] / out['eight']['tok_s']:.2f}x")
+            for label in ("zipf", "uniform"):
+                if out[label]["n_loading_gaps"]:
+                    print(f"    ITL P95 during reads ({label}) / warm ITL P95: "
+                          f"{out[label]['itl_p95_loading'] / w['itl_p95']:.2f}x")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Which waiting requests join the batch this iteration (runs in the engine thread, between steps).
+
+Policy (docs/architecture.md, "Adapter-aware admission"): first come, first served across adapters, except that
+a request never holds up the ones behind it for something they do not need:
+- its adapter is still being read (loader thread): it keeps its place and is skipped;
+- its adapter needs a device slot and every slot is pinned by running requests: it keeps its place, and requests
+  behind it whose adapter is already in a slot (or the base model) may pass, at most `max_overtakes` of them;
+  then admission holds until a slot is unpinned, so a hot adapter cannot starve a cold one;
+- no KV slot is free: nothing else can be admitted either; admission stops.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from lora_compile import Engine
+from lora_compile.errors import AdapterError, AdapterNotFoundError
+from service.errors import FailedPrecondition
+from service.runner.request import RequestEventType
+
+if TYPE_CHECKING:
+    from service.runner.request_state import RequestState
+
+
+def load_error(name: str, exc: BaseException, registered: bool) -> Exception:
+    """The status of a request whose adapter cannot be read (bad or changed files); NOT_FOUND passes through."""
+    if isinstance(exc, AdapterNotFoundError) or not isinstance(exc, AdapterError):
+        return exc  # type: ignore[return-value]
+    verb = "can no longer be loaded" if registered else "cannot be loaded"
+    return FailedPrecondition(f"adapter {name!r} {verb}: {exc}")
+
+
+def start_load(engine: Engine, state: RequestState, on_done: Callable[[Future], None]) -> bool:
+    """Have the request's adapter read into host memory if it is not there; True when a load is under way.
+    Raises what a request for it must fail with (a cached failed load, an unknown or bad name)."""
+    name = state.request.adapter
+    if not name or engine.adapters.is_ready(name):
+        return False
+    try:
+        future = engine.adapters.prefetch(name)
+    except Exception as exc:  # noqa: BLE001 - mapped to the request's status
+        raise load_error(name, exc, engine.adapters.is_registered(name)) from exc
+    if future is None:
+        return False
+    if state.adapter_wait_ns is None:
+        state.adapter_wait_ns = time.time_ns()
+    state.adapter_load = future
+    future.add_done_callback(on_done)
+    return True
+
+
+def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
+          on_load_done: Callable[[Future], None]) -> tuple[list[RequestState], list[tuple[RequestState, Exception | None]]]:
+    admitted: list[RequestState] = []
+    rejected: list[tuple[RequestState, Exception | None]] = []
+    blocked: RequestState | None = None  # the oldest request waiting for a device slot
+    manager = engine.adapters
+    for state in candidates:
+        if not engine.num_free_kv_slots:
+            break
+        if state.aborted:
+            rejected.append((state, None))  # dropped; nothing to report to anyone
+            continue
+        name = state.request.adapter
+        load = state.adapter_load
+        if load is not None:
+            if not load.done():
+                continue  # its adapter is being read: it waits, the others go on
+            state.adapter_load = None
+            result = load.result()
+            if result.error is not None:
+                rejected.append((state, load_error(name, result.error, manager.is_registered(name))))
+                continue
+            state.adapter_read = (result.start_ns, result.end_ns)
+        try:
+            if start_load(engine, state, on_load_done):  # evicted from host memory since: read it again
+                continue
+        except Exception as exc:  # noqa: BLE001
+            rejected.append((state, exc))
+            continue
+        resident = manager.is_resident(name)
+        if blocked is not None and (not resident or blocked.overtaken >= max_overtakes):
+            continue  # no slot for it either / the bound is reached: wait for the blocked request
+        admit_ns = time.time_ns()
+        try:
+            ok = engine.try_admit(state.seq)
+        except Exception as exc:  # noqa: BLE001 - e.g. the adapter was unloaded while it waited
+            rejected.append((state, load_error(name, exc, manager.is_registered(name)) if name else exc))
+            continue
+        if not ok:
+            if not engine.num_free_kv_slots:
+                break
+            blocked = blocked or state
+            continue
+        if blocked is not None:
+            blocked.overtaken += 1
+        fields = {"start_ns": admit_ns, "adapter_loaded": state.seq.adapter_loaded}
+        if state.adapter_wait_ns is not None:
+            fields["adapter_wait_start_ns"] = state.adapter_wait_ns
+        if state.adapter_read is not None:
+            fields["adapter_read"] = state.adapter_read
+        state.record_event(RequestEventType.ADMITTED, **fields)
+        admitted.append(state)
+    return admitted, rejected
