@@ -18,6 +18,7 @@ from benchmarks.common import write_lora_adapter
 from lora_compile.adapters import load_adapter
 from lora_compile.config import ModelConfig
 from service.client import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from service.grpc_api.server import ServerConfig
 from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, wait_for
 
 N_ADAPTERS = 300
@@ -48,7 +49,7 @@ def adapter_dir(tmp_path_factory) -> Path:
 def served(adapter_dir):
     model, demo = demo_paths()
     engine = build_engine(model, {"pirate": demo["pirate"]}, adapter_dirs=(str(adapter_dir),))
-    server = ServerThread(engine)
+    server = ServerThread(engine, ServerConfig(port=0, http_port=0))  # the HTTP door for /metrics
     yield server
     server.stop()
 
@@ -65,6 +66,26 @@ def _step_time(server: ServerThread, prompt: list[int]) -> float:
         t1 = time.perf_counter()
         client.complete(prompt, max_new_tokens=17, ignore_eos=True)
         return max(1e-3, (time.perf_counter() - t1 - (t1 - t0)) / 16)
+
+
+def test_prometheus_counts_adapter_loads_and_tiers(served):
+    """/metrics: a cold adapter's read and slot copy are counted and timed; the tier gauge holds it."""
+    from tests.test_http_api import _metrics, _value
+
+    name = _name(251)
+    before = _metrics(served)
+    with served.client() as client:
+        client.complete("Hello", adapter=name, max_new_tokens=2)
+    after = _metrics(served)
+
+    def delta(metric: str, **labels) -> float:
+        return _value(after, metric, **labels) - _value(before, metric, **labels)
+
+    assert delta("lora_serve:lora_adapter_loads_total", result="ok") == 1
+    assert delta("lora_serve:lora_adapter_load_seconds_count", phase="disk_read") == 1
+    assert delta("lora_serve:lora_adapter_load_seconds_count", phase="device_copy") == 1
+    tiers = {s.labels["tier"]: s.value for s in after["lora_serve:lora_adapters"]}
+    assert tiers["device"] >= 1 and sum(tiers.values()) == len(served.engine.adapters.list())
 
 
 def test_on_demand_adapter_matches_registered_one(served, adapter_dir):

@@ -53,6 +53,7 @@ class SchedulerStats:
     waiting_adapters: tuple[str, ...]
     device_adapters: tuple[str, ...]   # adapters in a device slot now
     host_adapters: tuple[str, ...]     # registered adapters whose weights sit in host memory
+    adapter_tiers: dict[str, int]      # known adapters per fastest tier: device, host, disk
 
 
 @dataclass
@@ -272,7 +273,7 @@ class EngineRunner:
             kv_capacity_tokens=cfg.max_batch_size * cfg.max_seq_len, max_loras=cfg.max_loras_per_batch,
             running_adapters=tuple(sorted({s.request.adapter for s in running if s.request.adapter})),
             waiting_adapters=tuple(sorted({s.request.adapter for s in waiting if s.request.adapter})),
-            device_adapters=device, host_adapters=host)
+            device_adapters=device, host_adapters=host, adapter_tiers=adapters.tier_counts())
 
     # --- the loop -----------------------------------------------------------------------------------
     def _wake(self) -> None:

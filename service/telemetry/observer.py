@@ -32,6 +32,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link
 
 from service.runner.request import RequestEventType
+from service.telemetry.adapter_events import adapter_metric
 from service.telemetry.interceptor import CallSpan, current_call, set_error
 from service.telemetry.setup import Telemetry, never_raise
 
@@ -51,7 +52,6 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_EVENT_METRIC = {"load": ("disk_read", "ok"), "load_failed": (None, "error"), "device_copy": ("device_copy", None)}
 _STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 _ROOT = Context()  # engine steps start their own traces, whatever the current context
@@ -254,15 +254,13 @@ class TelemetryObserver:
         span.end(end_time=end)
 
     def record_adapter_events(self, events) -> None:
-        for event in events:
-            if event.kind.startswith("evict_"):
-                self.adapter_evictions.add(1, {"lora_serve.adapter.tier": event.kind.removeprefix("evict_")})
-                continue
-            phase, outcome = _EVENT_METRIC.get(event.kind, (None, None))
-            if outcome is not None:
-                self.adapter_loads.add(1, {"lora_serve.adapter.load.result": outcome})
-            if phase is not None:
-                self.adapter_load_time.record((event.end_ns - event.start_ns) / 1e9, {"lora_serve.adapter.phase": phase})
+        for m in map(adapter_metric, events):
+            if m.evicted_tier is not None:
+                self.adapter_evictions.add(1, {"lora_serve.adapter.tier": m.evicted_tier})
+            if m.load_result is not None:
+                self.adapter_loads.add(1, {"lora_serve.adapter.load.result": m.load_result})
+            if m.phase is not None:
+                self.adapter_load_time.record(m.seconds, {"lora_serve.adapter.phase": m.phase})
 
     def _finished(self, rec: _Request, at: int, fields: dict[str, Any]) -> None:
         """The last output: usage and finish reason (the span ends with the stream, or the call)."""

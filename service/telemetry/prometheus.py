@@ -25,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.runner.request import RequestEventType
+from service.telemetry.adapter_events import adapter_metric
 from service.telemetry.setup import never_raise
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 
 
@@ -74,6 +76,11 @@ class _SchedulerCollector(Collector):
             for name in names:
                 resident.add_metric([name, tier], 1.0)
         yield resident
+        tiers = GaugeMetricFamily(PREFIX + "lora_adapters", "Known adapters by the fastest tier holding them "
+                                  "(device slot, host memory, disk only)", labels=["tier"])
+        for tier, n in s.adapter_tiers.items():
+            tiers.add_metric([tier], n)
+        yield tiers
 
 
 class PrometheusMetrics:
@@ -96,6 +103,14 @@ class PrometheusMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token",
                              buckets=_E2E_BUCKETS, **labels)
 
+        self.adapter_loads = Counter(PREFIX + "lora_adapter_loads", "Adapter reads from disk, by result (ok, error)",
+                                     labelnames=["result"], registry=self.registry)
+        self.adapter_evictions = Counter(PREFIX + "lora_adapter_evictions", "Adapters evicted, by tier (device, host)",
+                                         labelnames=["tier"], registry=self.registry)
+        self.adapter_load_time = Histogram(PREFIX + "lora_adapter_load_seconds", "Adapter load time by phase "
+                                           "(disk_read: loader thread; device_copy: between steps)",
+                                           labelnames=["phase"], buckets=_LOAD_BUCKETS, registry=self.registry)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -103,8 +118,15 @@ class PrometheusMetrics:
     def on_added(self, state: RequestState) -> None:
         pass
 
+    @never_raise
     def on_iteration(self, result: IterationResult) -> None:
-        pass
+        for m in map(adapter_metric, result.adapter_events):
+            if m.evicted_tier is not None:
+                self.adapter_evictions.labels(m.evicted_tier).inc()
+            if m.load_result is not None:
+                self.adapter_loads.labels(m.load_result).inc()
+            if m.phase is not None:
+                self.adapter_load_time.labels(m.phase).observe(m.seconds)
 
     @never_raise
     def on_finished(self, state: RequestState) -> None:
