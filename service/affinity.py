@@ -11,9 +11,12 @@ ADAPTER_ID_HEADER = "x-adapter-id"
 REPLICA_ID_HEADER = "x-replica-id"
 
 
-def adapter_header_value(adapter: str | None) -> str:
-    """The header a client sends for `adapter` (None or "": the base model)."""
-    return adapter or ""
+def adapter_header_value(adapter: str | None) -> str | None:
+    """The header a client sends for `adapter` (None or "": the base model); None (send no header) for a name
+    that is no legal header value (printable ASCII only, in gRPC metadata and HTTP alike): the server then
+    judges the name itself, and the balancer routes the request as one without the header."""
+    value = adapter or ""
+    return value if all(" " <= c <= "~" for c in value) else None
 
 
 def adapter_header_problem(header: str | None, adapter: str | None, base_model: str, field: str) -> str | None:

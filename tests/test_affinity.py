@@ -105,6 +105,17 @@ def test_header_problem_rules():
     assert "'a'" in problem and "model is 'b'" in problem
 
 
+def test_sdk_sends_no_header_for_a_name_no_header_can_carry():
+    """A name with a control or non-ASCII character gets no x-adapter-id (grpc would refuse the metadata on the
+    client's side, as INTERNAL): the server judges the name and answers INVALID_ARGUMENT itself."""
+    from service.client.sdk import generate_metadata
+
+    assert generate_metadata(None, {"adapter": "pirate"}) == ((ADAPTER_ID_HEADER, "pirate"),)
+    assert generate_metadata(None, {}) == ((ADAPTER_ID_HEADER, ""),)
+    for name in ("bad\nname", "nul\0", "café"):
+        assert generate_metadata((("k", "v"),), {"adapter": name}) == (("k", "v"),)
+
+
 def test_replica_id_flag_default_and_otel_resource(monkeypatch):
     from service.cli import _server_config, serve_parser
     from service.telemetry.setup import setup_telemetry

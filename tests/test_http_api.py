@@ -10,13 +10,13 @@ import threading
 import grpc
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from service._proto import pb, pb_grpc
 from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
 from service.runner.observer_group import ObserverGroup
 from tests.checkpoints import write_chat_template
+from tests.http_wire import metric_value, metrics, post
 from tests.service_harness import (
     ServerThread,
     build_engine,
@@ -39,22 +39,6 @@ CHAT_TEMPLATE = (
 def _openai(server: ServerThread, **kwargs) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused",
                          max_retries=0, timeout=60, **kwargs)
-
-
-def _raw(server: ServerThread, method: str, path: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, dict, dict[str, str]]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
-    try:
-        conn.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
-        response = conn.getresponse()
-        data = response.read()
-        try:
-            parsed = json.loads(data)
-        except ValueError:
-            parsed = {"raw": data.decode(errors="replace")}
-        return response.status, parsed, {k.lower(): v for k, v in response.getheaders()}
-    finally:
-        conn.close()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +114,7 @@ def test_streaming_completion_ends_with_done_and_usage(served, client):
     finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finished == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10  # the usage chunk comes last
-    status, body, headers = _raw(served, "POST", "/v1/completions", json.dumps(
+    status, body, headers = post(served.server.http_port, "/v1/completions", json.dumps(
         {"prompt": PROMPT, "max_tokens": 3, "stream": True}).encode())
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     assert body["raw"].rstrip().endswith("data: [DONE]")
@@ -232,7 +216,7 @@ def test_http_and_grpc_requests_share_engine_steps(served, client):
 
 def test_client_disconnect_mid_stream_frees_the_slot(served, client):
     runner = served.server.runner
-    cancelled = _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled")
+    cancelled = metric_value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled")
     stream = client.completions.create(model="", prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
@@ -241,14 +225,14 @@ def test_client_disconnect_mid_stream_frees_the_slot(served, client):
     served.wait_idle()
     wait_for(lambda: runner.num_open_streams == 0, what="the stream's handler to end")
     # Ended by the disconnect, not by its 200 tokens:
-    assert _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled") == cancelled + 1
+    assert metric_value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled") == cancelled + 1
     assert client.completions.create(model="", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
 def test_client_disconnect_while_waiting_for_a_whole_answer_frees_the_slot(served):
     """Not streaming: the client closes its connection before the answer; the request leaves the batch."""
     runner = served.server.runner
-    cancelled = _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled")
+    cancelled = metric_value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled")
     body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
     conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
@@ -258,24 +242,12 @@ def test_client_disconnect_while_waiting_for_a_whole_answer_frees_the_slot(serve
     wait_for(lambda: runner.num_open_streams == 0, what="the handler to end")
     assert runner.engine.num_free_kv_slots == runner.engine.config.max_batch_size
     # Ended by the disconnect, not by its 200 tokens:
-    assert _value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled") == cancelled + 1
+    assert metric_value(_metrics(served), "lora_serve:request_success_total", finished_reason="cancelled") == cancelled + 1
 
 
 # --- /metrics -------------------------------------------------------------------------------------------------
 def _metrics(server: ServerThread) -> dict[str, list]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    samples: dict[str, list] = {}  # by sample name (a counter's family drops its _total)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append(sample)
-    return samples
-
-
-def _value(families: dict, name: str, **labels) -> float:
-    return sum(s.value for s in families.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+    return metrics(server.server.http_port)
 
 
 def test_metrics_reflect_a_known_load(served):
@@ -294,24 +266,24 @@ def test_metrics_reflect_a_known_load(served):
             wait_for(lambda: runner.num_running == batch, what="a full batch")
     wait_for(lambda: runner.num_waiting == 2, what="two waiting requests")
     families = _metrics(served)
-    assert _value(families, "lora_serve:num_requests_running") == batch
-    assert _value(families, "lora_serve:num_requests_waiting") == 2
-    assert 0 < _value(families, "lora_serve:kv_cache_usage_perc") <= 1
+    assert metric_value(families, "lora_serve:num_requests_running") == batch
+    assert metric_value(families, "lora_serve:num_requests_waiting") == 2
+    assert 0 < metric_value(families, "lora_serve:kv_cache_usage_perc") <= 1
     (info,) = families["lora_serve:lora_requests_info"]
     assert info.labels == {"max_lora": str(served.engine.config.max_loras_per_batch),
                            "running_lora_adapters": "pirate", "waiting_lora_adapters": "poet"}
-    assert _value(families, "lora_serve:lora_adapter_resident", adapter="pirate", tier="device") == 1
+    assert metric_value(families, "lora_serve:lora_adapter_resident", adapter="pirate", tier="device") == 1
     for call in calls:
         call.cancel()
     channel.close()
     served.wait_idle()
     wait_for(lambda: runner.num_open_streams == 0, what="every stream to close")
     after = _metrics(served)
-    assert _value(after, "lora_serve:num_requests_running") == _value(after, "lora_serve:num_requests_waiting") == 0
-    assert _value(after, "lora_serve:request_success_total", finished_reason="cancelled") - _value(
+    assert metric_value(after, "lora_serve:num_requests_running") == metric_value(after, "lora_serve:num_requests_waiting") == 0
+    assert metric_value(after, "lora_serve:request_success_total", finished_reason="cancelled") - metric_value(
         before, "lora_serve:request_success_total", finished_reason="cancelled") == batch + 2
-    assert _value(after, "lora_serve:prompt_tokens_total") > _value(before, "lora_serve:prompt_tokens_total")
-    assert (_value(after, "lora_serve:time_to_first_token_seconds_count")
-            - _value(before, "lora_serve:time_to_first_token_seconds_count")) == batch
+    assert metric_value(after, "lora_serve:prompt_tokens_total") > metric_value(before, "lora_serve:prompt_tokens_total")
+    assert (metric_value(after, "lora_serve:time_to_first_token_seconds_count")
+            - metric_value(before, "lora_serve:time_to_first_token_seconds_count")) == batch
     (info,) = after["lora_serve:lora_requests_info"]
     assert info.labels["running_lora_adapters"] == info.labels["waiting_lora_adapters"] == ""

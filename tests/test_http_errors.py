@@ -18,30 +18,12 @@ from service.grpc_api.server import ServerConfig
 from service.http_api.errors import HTTP_STATUS
 from service.limits import RequestLimits
 from tests.certs import CertificateAuthority
+from tests.http_wire import post
 from tests.service_harness import ServerThread, shared_engine, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = RequestLimits(max_prompt_tokens=200, max_new_tokens=100)  # as the catalogue's gRPC cases
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-
-
-def post(port: int, path: str, body: bytes | dict | list, headers: dict[str, str] | None = None,
-         method: str = "POST", context: ssl.SSLContext | None = None) -> tuple[int, dict, dict[str, str]]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn = (http.client.HTTPSConnection("localhost", port, timeout=60, context=context) if context
-            else http.client.HTTPConnection("127.0.0.1", port, timeout=60))
-    try:
-        conn.request(method, path, body=data if method == "POST" else None,
-                     headers={"content-type": "application/json", **(headers or {})})
-        response = conn.getresponse()
-        raw = response.read()
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = {"raw": raw.decode(errors="replace")}
-        return response.status, parsed, {k.lower(): v for k, v in response.getheaders()}
-    finally:
-        conn.close()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ threads, while other streams keep stepping; names checked before any file access
 a bad adapter fails only its own requests; the host cache's byte budget; no slot leaked after a storm."""
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import sys
@@ -19,7 +18,14 @@ from lora_compile.adapters import load_adapter
 from lora_compile.config import ModelConfig
 from service.client import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from service.grpc_api.server import ServerConfig
-from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, wait_for
+from tests.http_wire import metric_value, metrics
+from tests.service_harness import (
+    BackgroundStream,
+    ServerThread,
+    build_engine,
+    demo_paths,
+    wait_for,
+)
 
 N_ADAPTERS = 300
 MODULES = ("q_proj", "v_proj")
@@ -70,16 +76,14 @@ def _step_time(server: ServerThread, prompt: list[int]) -> float:
 
 def test_prometheus_counts_adapter_loads_and_tiers(served):
     """/metrics: a cold adapter's read and slot copy are counted and timed; the tier gauge holds it."""
-    from tests.test_http_api import _metrics, _value
-
     name = _name(251)
-    before = _metrics(served)
+    before = metrics(served.server.http_port)
     with served.client() as client:
         client.complete("Hello", adapter=name, max_new_tokens=2)
-    after = _metrics(served)
+    after = metrics(served.server.http_port)
 
     def delta(metric: str, **labels) -> float:
-        return _value(after, metric, **labels) - _value(before, metric, **labels)
+        return metric_value(after, metric, **labels) - metric_value(before, metric, **labels)
 
     assert delta("lora_serve:lora_adapter_loads_total", result="ok") == 1
     assert delta("lora_serve:lora_adapter_load_seconds_count", phase="disk_read") == 1

@@ -125,7 +125,8 @@ def build_generate_request(
 
 def generate_metadata(metadata: tuple[tuple[str, str], ...] | None, params: dict) -> tuple[tuple[str, str], ...]:
     """Call metadata for Generate: x-adapter-id, so a balancer can keep each adapter on few replicas."""
-    return (*(metadata or ()), (ADAPTER_ID_HEADER, adapter_header_value(params.get("adapter"))))
+    value = adapter_header_value(params.get("adapter"))
+    return (*(metadata or ()), *(((ADAPTER_ID_HEADER, value),) if value is not None else ()))
 
 
 def replica_of(initial_metadata) -> str:
