@@ -75,7 +75,12 @@ class VllmWorker:
     def run(self, prompts, adapters, max_tokens) -> tuple[float, list[list[int]]]:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "adapters": adapters, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
-        reply = json.loads(self.proc.stdout.readline())
+        line = self.proc.stdout.readline()
+        while line and not line.startswith('{"seconds"'):  # vLLM logs to stdout too
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM worker exited with {self.proc.wait()}")
+        reply = json.loads(line)
         return reply["seconds"], reply["tokens"]
 
     def close(self) -> None:
