@@ -12,7 +12,6 @@ from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 
 
-
 def main() -> None:
     # vLLM starts its engine core with multiprocessing "spawn", which re-imports this module: the guard below.
     model, adapter_root, mode = sys.argv[1], sys.argv[2], sys.argv[3]

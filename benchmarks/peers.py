@@ -18,15 +18,14 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-import service.runner.engine_thread as engine_thread
 from benchmarks.common import register_adapters, smollm2_checkpoint, write_lora_adapters
 from lora_compile import Engine, EngineConfig, SamplingParams
+from service.runner import engine_thread
 
 NEW_TOKENS = 64
 WORKER = Path(__file__).with_name("peer_vllm_worker.py")

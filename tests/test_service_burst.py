@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-import service.runner.engine_thread as engine_thread
 from lora_compile import SamplingParams
+from service.runner import engine_thread
 from service.runner.request import GenerationRequest, RequestEventType
 from service.runner.scheduler import EngineRunner
 from tests.conftest import build_engine
