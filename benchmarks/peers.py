@@ -60,7 +60,7 @@ class Ours:
 
 class VllmWorker:
     def __init__(self, venv: Path, model: Path, adapter_root: Path, mode: str, threads: int):
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="all", VLLM_CPU_KVCACHE_SPACE="2",
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
                    OMP_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), str(model), str(adapter_root), mode],
