@@ -5,8 +5,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from service.runner.reports import IterationResult, RunnerObserver
     from service.runner.request_state import RequestState
-    from service.runner.scheduler import IterationResult, RunnerObserver
 
 
 class ObserverGroup:

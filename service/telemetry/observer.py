@@ -38,8 +38,8 @@ from service.telemetry.setup import Telemetry, never_raise
 
 if TYPE_CHECKING:
     from lora_compile.engine import StepOutput
+    from service.runner.reports import IterationResult
     from service.runner.request_state import RequestState
-    from service.runner.scheduler import IterationResult
 
 MAX_MODEL_LABELS = 64    # distinct gen_ai.request.model values on metrics; later ones are "other"
 OTHER_MODEL = "other"

@@ -29,8 +29,8 @@ from service.telemetry.adapter_events import adapter_metric
 from service.telemetry.setup import never_raise
 
 if TYPE_CHECKING:
+    from service.runner.reports import IterationResult, SchedulerStats
     from service.runner.request_state import RequestState
-    from service.runner.scheduler import IterationResult, SchedulerStats
 
 disable_created_metrics()  # no `_created` series beside every counter and histogram (vLLM does the same)
 PREFIX = "lora_serve:"

@@ -1,0 +1,166 @@
+"""Our engine beside vLLM-CPU, same weights and workload, systems interleaved within each round.
+
+    python -m benchmarks.peers [--vllm-venv /path/to/venv] [--batches 8 32] [--rounds 3] [--threads 2]
+
+The SmolLM2-135M-shaped checkpoint (benchmarks.common) with 8 rank-16 adapters on all 7 projections, 16-token
+prompts, 64 greedy tokens (ignore_eos). Workloads: base / one adapter / 8 distinct adapters, at each batch size.
+Systems: ours in float32 and, where the CPU computes bf16 natively, bfloat16 (compiled engines, Engine.generate);
+vLLM-CPU (offline LLM, float32) with LoRA on and with LoRA off (torch.compile on; base workload only), each in a
+worker process of its own virtual environment (--vllm-venv or LORA_SERVE_VLLM_VENV; skipped with a message when
+absent; install: docs/benchmarks.md). Per system and workload: TTFT of the batch (a generate of 1 token: time until
+all B sequences have their first token) and decode tok/s (B * 63 / (t64 - t1)), medians over rounds; ratios are
+taken within a round, then their median reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import register_adapters, smollm2_checkpoint, write_lora_adapters
+from lora_compile import Engine, EngineConfig, SamplingParams
+from service.runner import engine_thread
+
+NEW_TOKENS = 64
+WORKER = Path(__file__).with_name("peer_vllm_worker.py")
+
+
+def native_bf16() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def workload(batch: int, kind: str) -> tuple[list[list[int]], list[str | None]]:
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(16)] for i in range(batch)]
+    adapters = {"base": [None] * batch, "1 adapter": ["a0"] * batch, "8 adapters": [f"a{i % 8}" for i in range(batch)]}
+    return prompts, adapters[kind]
+
+
+class Ours:
+    def __init__(self, model: Path, adapters: dict[str, Path], dtype: str, max_batch: int):
+        cfg = EngineConfig(model=str(model), dtype=dtype, max_batch_size=max_batch, max_seq_len=512,
+                           max_loras_per_batch=8, max_num_batched_tokens=max(256, 16 * max_batch + 1))
+        self.engine = engine_thread.call(Engine, cfg)
+        engine_thread.call(register_adapters, self.engine, adapters)
+        engine_thread.call(self.engine.warmup)
+
+    def run(self, prompts, adapters, max_tokens) -> tuple[float, list[list[int]]]:
+        def go():
+            import time
+            t0 = time.perf_counter()
+            out = self.engine.generate(prompts, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True), adapters)
+            return time.perf_counter() - t0, out
+        return engine_thread.call(go)
+
+
+class VllmWorker:
+    def __init__(self, venv: Path, model: Path, adapter_root: Path, mode: str, threads: int):
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
+                   OMP_NUM_THREADS=str(threads))
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), str(model), str(adapter_root), mode],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        for line in self.proc.stdout:
+            if line.startswith('{"ready"'):
+                break
+        else:
+            raise RuntimeError(f"vLLM worker ({mode}) exited with {self.proc.wait()}")
+
+    def run(self, prompts, adapters, max_tokens) -> tuple[float, list[list[int]]]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "adapters": adapters, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        while line and not line.startswith('{"seconds"'):  # vLLM logs to stdout too
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM worker exited with {self.proc.wait()}")
+        reply = json.loads(line)
+        return reply["seconds"], reply["tokens"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def measure(system, batch: int, kind: str) -> tuple[float, float, list[list[int]]]:
+    prompts, adapters = workload(batch, kind)
+    t1, _ = system.run(prompts, adapters, 1)
+    t64, tokens = system.run(prompts, adapters, NEW_TOKENS)
+    return t1, batch * (NEW_TOKENS - 1) / max(t64 - t1, 1e-9), tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--vllm-venv", default=os.environ.get("LORA_SERVE_VLLM_VENV"))
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-bf16", action="store_true")
+    p.add_argument("--kinds", nargs="+", default=["base", "1 adapter", "8 adapters"],
+                   choices=["base", "1 adapter", "8 adapters"])
+    p.add_argument("--no-vllm-base", action="store_true", help="skip vLLM with LoRA off")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    engine_thread.call(torch.set_num_threads, args.threads)
+    model = smollm2_checkpoint()
+    names = [f"a{i}" for i in range(8)]
+    tmp = Path(tempfile.mkdtemp())
+    adapters = write_lora_adapters(model, tmp, names)
+    flags = " ".join(f for f in ("avx512_bf16", "amx_bf16", "avx512_vnni") if f in Path("/proc/cpuinfo").read_text())
+    print(f"CPU flags: {flags or 'none of avx512_bf16/amx_bf16/avx512_vnni'}; {args.threads} threads")
+    systems = {"ours f32": Ours(model, adapters, "float32", max(args.batches))}
+    if native_bf16() and not args.no_bf16:
+        systems["ours bf16"] = Ours(model, adapters, "bfloat16", max(args.batches))
+    venv = Path(args.vllm_venv) if args.vllm_venv else None
+    if venv is None or not (venv / "bin" / "python").exists():
+        print("vLLM-CPU: skipped (no --vllm-venv / LORA_SERVE_VLLM_VENV with bin/python; see docs/benchmarks.md)")
+    else:
+        systems["vllm lora"] = VllmWorker(venv, model, tmp, "lora", args.threads)
+        if not args.no_vllm_base:
+            systems["vllm base"] = VllmWorker(venv, model, tmp, "base", args.threads)
+    kinds = args.kinds
+    results: dict[tuple, list] = {}
+    for rnd in range(args.rounds):
+        for batch in args.batches:
+            for kind in kinds:
+                for name, system in systems.items():
+                    if name == "vllm base" and kind != "base":
+                        continue
+                    ttft, tps, tokens = measure(system, batch, kind)
+                    results.setdefault((batch, kind, name), []).append((ttft, tps, tokens))
+    for batch in args.batches:
+        print(f"\nbatch {batch}")
+        for kind in kinds:
+            for name in systems:
+                rows = results.get((batch, kind, name))
+                if not rows:
+                    continue
+                ttft = statistics.median(r[0] for r in rows)
+                tps = statistics.median(r[1] for r in rows)
+                line = f"  {kind:10s} {name:10s} TTFT(batch) {ttft:6.3f} s  decode {tps:7.1f} tok/s"
+                for ref in ("vllm base", "vllm lora"):
+                    ref_rows = results.get((batch, "base" if ref == "vllm base" else kind, ref))
+                    if ref_rows and name.startswith("ours"):
+                        ratio = statistics.median(a[1] / b[1] for a, b in zip(rows, ref_rows))
+                        line += f"  x{ratio:.2f} vs {ref}"
+                if name == "ours bf16":
+                    f32 = results[(batch, kind, "ours f32")]
+                    line += f"  x{statistics.median(a[1] / b[1] for a, b in zip(rows, f32)):.2f} vs ours f32"
+                print(line)
+            ours = results[(batch, kind, "ours f32")][-1][2]
+            for name in systems:
+                if name.startswith("vllm") and (batch, kind, name) in results:
+                    same = sum(a == b for a, b in zip(ours, results[(batch, kind, name)][-1][2]))
+                    print(f"  {kind:10s} greedy tokens equal to ours f32: {name} {same}/{batch}")
+    for system in systems.values():
+        if isinstance(system, VllmWorker):
+            system.close()
+
+
+if __name__ == "__main__":
+    main()

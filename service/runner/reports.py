@@ -1,0 +1,49 @@
+"""What the runner reports (service/runner/scheduler.py): each iteration's result, a snapshot for metrics, and the
+observer protocol that reads them. Observers read; they never steer the scheduler."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from lora_compile.engine import StepOutput
+    from service.runner.request_state import RequestState
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """What the scheduler holds right now (read by /metrics at scrape time)."""
+
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int          # tokens held by the running sequences (prompt + output so far)
+    kv_capacity_tokens: int      # max_batch_size * max_seq_len: every KV slot full
+    max_loras: int               # adapters a batch may hold (device slots)
+    running_adapters: tuple[str, ...]
+    waiting_adapters: tuple[str, ...]
+    device_adapters: tuple[str, ...]   # adapters in a device slot now
+    host_adapters: tuple[str, ...]     # registered adapters whose weights sit in host memory
+    adapter_tiers: dict[str, int]      # known adapters per fastest tier: device, host, disk
+
+
+@dataclass
+class IterationResult:
+    admitted: list[RequestState]
+    rejected: list[tuple[RequestState, Exception]]
+    stepped: list[RequestState]
+    step_error: Exception | None = None
+    step: StepOutput | None = None
+    adapter_events: list = field(default_factory=list)  # lora_manager.AdapterEvent: loads, copies, evictions
+
+
+class RunnerObserver(Protocol):
+    """Reports on requests (telemetry). Called on the event loop; reads events and results, changes nothing."""
+
+    def on_added(self, state: RequestState) -> None:
+        """In add_request, in the caller's context (e.g. its trace)."""
+
+    def on_iteration(self, result: IterationResult) -> None:
+        """After each iteration, once the next is under way."""
+
+    def on_finished(self, state: RequestState) -> None:
+        """The request's stream ended (its last output sent, an error, or the client gone)."""

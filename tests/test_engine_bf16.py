@@ -1,0 +1,48 @@
+"""bfloat16 on CPU end to end (weights, LoRA slots, KV cache) against transformers + PEFT in bfloat16.
+
+float32 is the reference for the exact golden tests (test_engine_golden.py). In bfloat16 (8 mantissa bits) our
+kernels and transformers' round in a different order, so a long greedy run may part at a near-tie; the criterion is
+agreement: the first AGREE greedy tokens equal transformers' in bfloat16, on a reference that is not degenerate
+(at least AGREE // 2 distinct tokens), with base-model and adapter sequences in one batch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from lora_compile import Engine, EngineConfig, SamplingParams
+from tests.conftest import ENGINE_LIMITS
+
+AGREE = 8
+PROMPT = [3, 17, 29, 5, 44, 90, 12]
+
+
+@torch.no_grad()
+def _reference_bf16(model_dir, adapter_dir=None) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    ids = torch.tensor([PROMPT])
+    out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=AGREE,
+                                do_sample=False, eos_token_id=None)
+    return out[0, len(PROMPT):].tolist()
+
+
+@pytest.mark.parametrize("adapter", [None, "all4"])
+def test_bf16_greedy_agrees_with_transformers_bf16(models, adapters, adapter):
+    engine = Engine(EngineConfig(model=str(models["llama"]), dtype="bfloat16", compile=False, **ENGINE_LIMITS))
+    assert engine.dtype == torch.bfloat16
+    for name, path in adapters["llama"].items():
+        engine.adapters.register(name, str(path))
+    other = "qv8" if adapter is None else None  # a neighbour on the other path, in the same steps
+    ours = engine.generate([PROMPT, PROMPT], SamplingParams(max_new_tokens=AGREE, ignore_eos=True),
+                           adapters=[adapter, other])
+    attn = engine.model.layers[0].self_attn
+    # KV cache and the LoRA slots (stacked A, B) hold bfloat16, the adapter's float32 files converted on load.
+    stored = [attn.k_cache, attn.v_cache, attn.qkv_proj.lora_a_stack, attn.qkv_proj.lora_b]
+    assert [t.dtype for t in stored] == [torch.bfloat16] * len(stored)
+    ref = _reference_bf16(models["llama"], adapters["llama"][adapter] if adapter else None)
+    assert len(set(ref)) >= AGREE // 2, f"degenerate reference {ref}"
+    assert ours[0] == ref
