@@ -10,7 +10,9 @@ state; each phase uses its own names (links inside the directory to the same fil
   zipf      requests over all adapters, Zipf alpha 1, cold                — loads while streams run
   warm      the zipf phase's requests again, their adapters prefetched    — the ITL reference
   uniform   requests over all adapters, uniform, cold                     — mostly cold, host evictions
-Prints throughput, TTFT P50/P95 split by cold (first request of its adapter in the phase) and warm, ITL P95 of
+The zipf and warm phases send the same requests at the same times, so they are also compared request by request
+(the running streams' gaps while those requests were admitted; the TTFT the cold read added). Prints throughput,
+TTFT P50/P95 split by cold (first request of its adapter in the phase) and warm, ITL P95 of
 the gaps that overlap an adapter read vs the warm phase's ITL P95, cold TTFT against its adapter's read time + 2
 steps, and the loads and evictions of each phase (from the server's DEBUG adapter-event lines).
 """
@@ -200,6 +202,28 @@ def summarize(label: str, results: list[Result], duration: float, events, warm_i
     return out
 
 
+def window_gaps(results: list[Result], idxs: list[int]) -> list[float]:
+    """Token gaps of the other streams that overlap requests `idxs`' arrival-to-first-token windows."""
+    windows = [(results[i].start, results[i].start + results[i].ttft) for i in idxs]
+    chosen = set(idxs)
+    return [b - a for j, r in enumerate(results) if j not in chosen and r.error is None
+            for a, b in zip(r.token_times, r.token_times[1:]) if any(s < b and a < e for s, e in windows)]
+
+
+def paired_with_warm(cold_phase: list[Result], warm_phase: list[Result], step: float) -> None:
+    """The same requests (same arrivals, prompts, adapters) cold and then prefetched: what the cold reads cost
+    the running streams and the cold requests themselves, like for like (a new request's prefill lengthens the
+    running streams' gaps in both runs; only the read differs)."""
+    idxs = [i for i, (c, w) in enumerate(zip(cold_phase, warm_phase)) if c.cold and c.error is None and w.error is None]
+    cold_gaps, warm_gaps = window_gaps(cold_phase, idxs), window_gaps(warm_phase, idxs)
+    extra = [(cold_phase[i].ttft - warm_phase[i].ttft) / step for i in idxs]
+    print(f"    same requests cold vs prefetched (n={len(idxs)}): running streams' ITL P95 while they were admitted "
+          f"{1e3 * percentile(cold_gaps, 95):.1f} vs {1e3 * percentile(warm_gaps, 95):.1f} ms "
+          f"({percentile(cold_gaps, 95) / percentile(warm_gaps, 95):.2f}x); TTFT added by the cold read, in steps: "
+          f"P50 {percentile(extra, 50):.1f} P95 {percentile(extra, 95):.1f}; "
+          f"within 2 steps: {sum(1 for x in extra if x <= 2)}/{len(extra)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="60 requests per phase, 200 adapters (a smoke run)")
@@ -252,6 +276,7 @@ def main() -> None:
             print("--- ratios (one server, phases back to back)")
             print(f"    throughput zipf/eight {out['zipf']['tok_s'] / out['eight']['tok_s']:.2f}x, "
                   f"uniform/eight {out['uniform']['tok_s'] / out['eight']['tok_s']:.2f}x")
+            paired_with_warm(phases["zipf"][0], phases["warm"][0], step)
             for label in ("zipf", "uniform"):
                 if out[label]["n_loading_gaps"]:
                     print(f"    ITL P95 during reads ({label}) / warm ITL P95: "
