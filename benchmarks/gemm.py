@@ -1,7 +1,7 @@
 """Why the engine runs CPU float32 linears on oneDNN-packed weights (and plain ones as (W @ x.T).T): GEMM time
 for one decode step's weights, by row count.
 
-    python -m benchmarks.gemm               # GEMM time by row count
+    python -m benchmarks.gemm               # GEMM time by row count (bf16 packed where the CPU has bf16)
     python -m benchmarks.gemm --dispatch    # what calling the packed GEMM as an op costs per call
 
 The weights are those of the SmolLM2-135M shape (30 layers of qkv, o, gate_up, down, plus the 49152-row head):
@@ -71,11 +71,14 @@ def main() -> None:
     if p.parse_args().dispatch:
         return dispatch()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms for all GEMMs of one step")
-    names = ("fp32 F.linear", "fp32 W-left", "fp32 packed", "bf16 F.linear", "bf16 W-left")
-    print(f"{'rows':>5} " + " ".join(f"{n:>14}" for n in names))
+    names = ["fp32 F.linear", "fp32 W-left", "fp32 packed", "bf16 F.linear", "bf16 W-left"]
     fp32 = [torch.randn(*s) for s in SHAPES]
     bf16 = [w.bfloat16() for w in fp32]
     runs = [(fp32, "linear"), (fp32, "left"), (fp32, "packed"), (bf16, "linear"), (bf16, "left")]
+    if packed_gemm.native_bf16():  # the engine packs bf16 weights only where the CPU computes bf16
+        names.append("bf16 packed")
+        runs.append((bf16, "packed"))
+    print(f"{'rows':>5} " + " ".join(f"{n:>14}" for n in names))
     for rows in (1, 2, 3, 4, 5, 6, 8, 9, 16, 33, 128):
         cells = [step_ms(ws, rows, form) for ws, form in runs]
         print(f"{rows:>5} " + " ".join(f"{c:>14.1f}" for c in cells), flush=True)

@@ -109,7 +109,9 @@ class Engine:
             self.model, mc, config.max_loras_per_batch, config.max_lora_rank, _host_cache_bytes(config),
             tuple(config.adapter_roots), tuple(config.adapter_dirs), config.adapter_loader_threads, self.device,
         )
-        self._merger = build_merger(self.model, config.merge_lone_adapter, self.weights_packed,
+        # Merging is float32 only: a bf16 merge would round W + BA once more than the per-token LoRA path does.
+        self._merger = build_merger(self.model, config.merge_lone_adapter,
+                                    self.weights_packed and self.dtype == torch.float32,
                                     self.adapters.slot_generation, config.merge_after_steps)
         max_tokens = config.max_num_batched_tokens + 1
         self._arange = torch.arange(max(config.max_seq_len, max_tokens), device=self.device)
@@ -129,7 +131,7 @@ class Engine:
 
     @property
     def weights_packed(self) -> bool:
-        """True when the GEMMs run on oneDNN-packed weights (CPU float32, prepack_weights)."""
+        """True when the GEMMs run on oneDNN-packed weights (CPU float32 or native bf16, prepack_weights)."""
         return self.model.lm_head_packed is not None
 
     # --- capacity -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Which GEMM computes a linear layer: oneDNN on prepacked weights (CPU float32), else the plain forms.
+"""Which GEMM computes a linear layer: oneDNN on prepacked weights (CPU float32, and bfloat16 where the CPU
+computes it natively), else the plain forms.
 
 MKL runs the GEMMs of a decode step (a few rows against a large weight) far below peak; oneDNN with the weight
 reordered once into its blocked layout runs the same products 2-3x faster at 6-33 rows and at one row
@@ -27,8 +28,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
     return plain_linear(x, weight) if packed is None else packed_linear(x, weight, packed)
 
 
+def native_bf16() -> bool:
+    """The CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX), so oneDNN runs bf16 GEMMs natively."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """float32 always (2-3x MKL at decode sizes); bfloat16 where the CPU computes it natively (packed bf16 runs
+    1.5-2x packed float32 per GEMM there: python -m benchmarks.gemm)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -43,9 +53,10 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 PACKED_ROWS = (1, 9, 13, 17, 21, 25, 29, 33, 41, 49, 57, 65)
 
 
-def packed_rows(rows: int) -> int | None:
-    """The row count oneDNN runs for `rows` rows of input, or None where MKL runs them."""
-    if 2 <= rows <= 5:
+def packed_rows(rows: int, dtype: torch.dtype = torch.float32) -> int | None:
+    """The row count oneDNN runs for `rows` rows of input, or None where MKL runs them (float32 only: in bf16
+    oneDNN at 9 rows beats MKL at 2, python -m benchmarks.gemm)."""
+    if 2 <= rows <= 5 and dtype == torch.float32:
         return None
     return next((b for b in PACKED_ROWS if rows <= b), None)
 
@@ -58,7 +69,7 @@ _LIB.define("packed_linear(Tensor x, Tensor weight, Tensor packed) -> Tensor")
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
-    bucket = packed_rows(rows)
+    bucket = packed_rows(rows, x.dtype)
     if bucket is None:  # contiguous, as the fake below promises
         return plain_linear(x, weight).contiguous()
     if bucket != rows:
