@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Seconds: a read of a small adapter takes milliseconds, a slot copy less (both exporters use these bounds).
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
 # event kind → (phase of the load-time histogram, result of the loads counter)
 _LOAD_EVENTS = {"load": ("disk_read", "ok"), "load_failed": (None, "error"), "device_copy": ("device_copy", None)}
 

@@ -32,7 +32,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link
 
 from service.runner.request import RequestEventType
-from service.telemetry.adapter_events import adapter_metric
+from service.telemetry.adapter_events import LOAD_BUCKETS, adapter_metric
 from service.telemetry.interceptor import CallSpan, current_call, set_error
 from service.telemetry.setup import Telemetry, never_raise
 
@@ -51,7 +51,6 @@ _DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
-_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 _ROOT = Context()  # engine steps start their own traces, whatever the current context
@@ -111,14 +110,14 @@ class TelemetryObserver:
         self.forward = meter.create_histogram(
             "lora_serve.step.forward.duration", "s", "Engine step: the model's forward",
             explicit_bucket_boundaries_advisory=_STEP_BUCKETS)
-        # Adapter tiers (the runner's adapter events; the same names with "_" go to Prometheus after merge).
+        # Adapter tiers (the runner's adapter events; /metrics counts the same events, prometheus.py).
         self.adapter_loads = meter.create_counter(
             "lora_serve.adapter.loads", "{load}", "Adapter reads from disk, by result (ok, error)")
         self.adapter_evictions = meter.create_counter(
             "lora_serve.adapter.evictions", "{eviction}", "Adapters evicted, by tier left (host, device)")
         self.adapter_load_time = meter.create_histogram(
             "lora_serve.adapter.load.duration", "s", "Adapter load phases: disk_read (loader thread), device_copy "
-            "(between steps)", explicit_bucket_boundaries_advisory=_LOAD_BUCKETS)
+            "(between steps)", explicit_bucket_boundaries_advisory=LOAD_BUCKETS)
         if adapter_tiers is not None:
             from opentelemetry.metrics import Observation
 

@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.runner.request import RequestEventType
-from service.telemetry.adapter_events import adapter_metric
+from service.telemetry.adapter_events import LOAD_BUCKETS, adapter_metric
 from service.telemetry.setup import never_raise
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
-_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 
 
@@ -109,7 +108,7 @@ class PrometheusMetrics:
                                          labelnames=["tier"], registry=self.registry)
         self.adapter_load_time = Histogram(PREFIX + "lora_adapter_load_seconds", "Adapter load time by phase "
                                            "(disk_read: loader thread; device_copy: between steps)",
-                                           labelnames=["phase"], buckets=_LOAD_BUCKETS, registry=self.registry)
+                                           labelnames=["phase"], buckets=LOAD_BUCKETS, registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
