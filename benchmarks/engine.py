@@ -18,7 +18,8 @@ import torch
 from benchmarks.common import decode_step_time, fmt_row, interleaved, smollm2_checkpoint
 from lora_compile import Engine, EngineConfig
 
-LIMITS = dict(max_batch_size=32, max_seq_len=256, max_num_batched_tokens=512, max_loras_per_batch=8, max_lora_rank=16)
+# float32: compared with transformers in float32 (`auto` would be bfloat16 on CPUs with native bf16).
+LIMITS = dict(dtype="float32", max_batch_size=32, max_seq_len=256, max_num_batched_tokens=512, max_loras_per_batch=8, max_lora_rank=16)
 
 
 def start_only(model: str, cache_dir: str, precompile: bool) -> None:

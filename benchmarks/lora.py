@@ -65,7 +65,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"a{i}" for i in range(N_ADAPTERS)]
         adapters = write_lora_adapters(model, Path(tmp), names, rank=RANK)
-        limits = dict(model=str(model), max_batch_size=max(args.batches), max_seq_len=256,
+        limits = dict(model=str(model), dtype="float32", max_batch_size=max(args.batches), max_seq_len=256,
                       max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=RANK)
         engine = Engine(EngineConfig(**limits))  # the defaults: merges a lone adapter where it can
         unmerged = Engine(EngineConfig(**limits, merge_lone_adapter="off"))

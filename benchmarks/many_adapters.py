@@ -236,7 +236,12 @@ def main() -> None:
     p.add_argument("--max-cpu-lora-bytes", type=int, default=1 << 30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="serve eagerly (starts in seconds)")
+    p.add_argument("--phases", default="eight,zipf,warm,uniform",
+                   help="which phases to run (zipf and warm are compared request by request)")
     args = p.parse_args()
+    wanted = set(args.phases.split(","))
+    if not wanted <= {"eight", "zipf", "warm", "uniform"} or "warm" not in wanted:
+        p.error("--phases: a subset of eight,zipf,warm,uniform that includes warm (the step-time reference)")
     if args.quick:
         args.num_requests, args.adapters = 60, 200
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -257,7 +262,9 @@ def main() -> None:
             zipf = alias(root, "zipf", base_names)
             warm = alias(root, "warm", base_names)
             uniform = alias(root, "uniform", base_names)
-            plan = [("eight", eight, 1.0), ("zipf", zipf, 1.0), ("warm", warm, 1.0), ("uniform", uniform, 0.0)]
+            plan = [(label, names, alpha) for label, names, alpha in
+                    [("eight", eight, 1.0), ("zipf", zipf, 1.0), ("warm", warm, 1.0), ("uniform", uniform, 0.0)]
+                    if label in wanted]
             for label, names, alpha in plan:
                 specs = specs_for(names, alpha, args, args.seed)  # the same draws in every phase
                 if label == "warm":
@@ -272,13 +279,16 @@ def main() -> None:
                                      for a, b in zip(r.token_times, r.token_times[1:]))
             out = {"warm": w}
             for label in ("eight", "zipf", "uniform"):
-                out[label] = summarize(label, *phases[label], w["itl_p95"], step)
+                if label in phases:
+                    out[label] = summarize(label, *phases[label], w["itl_p95"], step)
             print("--- ratios (one server, phases back to back)")
-            print(f"    throughput zipf/eight {out['zipf']['tok_s'] / out['eight']['tok_s']:.2f}x, "
-                  f"uniform/eight {out['uniform']['tok_s'] / out['eight']['tok_s']:.2f}x")
-            paired_with_warm(phases["zipf"][0], phases["warm"][0], step)
             for label in ("zipf", "uniform"):
-                if out[label]["n_loading_gaps"]:
+                if label in out and "eight" in out:
+                    print(f"    throughput {label}/eight {out[label]['tok_s'] / out['eight']['tok_s']:.2f}x")
+            if "zipf" in phases:
+                paired_with_warm(phases["zipf"][0], phases["warm"][0], step)
+            for label in ("zipf", "uniform"):
+                if label in out and out[label]["n_loading_gaps"]:
                     print(f"    ITL P95 during reads ({label}) / warm ITL P95: "
                           f"{out[label]['itl_p95_loading'] / w['itl_p95']:.2f}x")
         finally:

@@ -106,6 +106,50 @@ def offline_itl(engine, specs: list[tuple[list[int], str | None, int]]) -> list[
     return gaps
 
 
+def arrivals(args, adapters: list[str]) -> tuple[list[tuple[list[int], str | None, int]], list[float]]:
+    """run_load's requests and their send times (s from the first), drawn from the same seeded rng."""
+    rng = random.Random(args.seed)
+    specs = request_specs(args, adapters, rng)
+    times, t = [], 0.0
+    for _ in specs:
+        times.append(t)
+        t += rng.expovariate(args.rate) if args.rate > 0 else 0.0
+    return specs, times
+
+
+def replay_ttft(engine, specs: list[tuple[list[int], str | None, int]], times: list[float]) -> list[float]:
+    """The same requests arriving at the same times through the bare engine, in this thread: before every step
+    each arrived request is admitted while it fits (what a scheduler at best does, with no RPC, no queue and no
+    other thread). Returns each request's TTFT (s from its arrival)."""
+    from lora_compile import SamplingParams, Sequence
+
+    seqs = [Sequence(i, list(p), SamplingParams(max_new_tokens=n, ignore_eos=True), a)
+            for i, (p, a, n) in enumerate(specs)]
+    pending, running, ttft = list(range(len(seqs))), [], [0.0] * len(seqs)
+    t0 = time.perf_counter()
+    try:
+        while pending or running:
+            now = time.perf_counter() - t0
+            if not running and times[pending[0]] > now:
+                time.sleep(times[pending[0]] - now)
+            while pending and times[pending[0]] <= time.perf_counter() - t0 and engine.try_admit(seqs[pending[0]]):
+                running.append(seqs[pending.pop(0)])
+            if not running:
+                continue
+            out = engine.step(running)
+            now = time.perf_counter() - t0
+            for seq_id in out.seq_ids:
+                if len(seqs[seq_id].output_ids) == 1:
+                    ttft[seq_id] = now - times[seq_id]
+            for seq in [s for s in running if s.is_finished]:
+                engine.release(seq)
+                running.remove(seq)
+    finally:
+        for seq in running:
+            engine.release(seq)
+    return ttft
+
+
 async def one_http_request(client, prompt: list[int], adapter: str | None, max_new: int) -> RequestResult:
     """The same request through the HTTP door (`client`: openai.AsyncOpenAI), streamed as server-sent events."""
     result = RequestResult()
@@ -250,8 +294,8 @@ def main() -> None:
             if args.door == "both":
                 both_doors(target, http_target, args, names)
                 return
-            p95 = report(*asyncio.run(run_load(http_target if args.door == "http" else target, args, names,
-                                               args.door)))
+            served = asyncio.run(run_load(http_target if args.door == "http" else target, args, names, args.door))
+            p95 = report(*served)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -272,6 +316,13 @@ def main() -> None:
         o50, o95 = percentile(offline, 50), percentile(offline, 95)
         print(f"bare engine, same requests offline: ITL P50 {1000 * o50:.1f} ms, P95 {1000 * o95:.1f} ms; "
               f"served P95 / offline P95 = {p95 / o95:.2f}x")
+        # TTFT beside the engine's: the same requests at the same arrival times, replayed into the bare engine.
+        replayed = replay_ttft(engine, *arrivals(args, names))
+        ttft = [r.ttft for r in served[0] if r.error is None]
+        for q in (50, 95):
+            print(f"TTFT P{q}: served {1000 * percentile(ttft, q):.1f} ms, bare engine (same arrivals) "
+                  f"{1000 * percentile(replayed, q):.1f} ms; served / engine = "
+                  f"{percentile(ttft, q) / percentile(replayed, q):.2f}x")
 
 
 if __name__ == "__main__":

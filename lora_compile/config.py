@@ -9,6 +9,7 @@ from typing import Literal, get_args
 import torch
 
 from .errors import CheckpointError
+from .packed_gemm import native_bf16
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 MergeMode = Literal["auto", "on", "off"]
@@ -144,8 +145,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on CUDA and on CPUs that compute it natively (AVX-512 BF16 or AMX: decode streams half the
+    bytes, 1.3-1.5x float32 there, docs/benchmarks.md), else float32 (emulated bf16 would be slower).
+    float32 stays the exact reference: pass it explicitly to compare with a float32 model token for token."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (device.type == "cpu" and native_bf16()):
+            return torch.bfloat16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]

@@ -96,12 +96,17 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> SampleResult:
     """logits: (B, vocab) float32, one row per sequence in `seqs`. A row that is not finite gets token -1
-    (NON_FINITE): it is zeroed first, so that it cannot disturb the other rows' sampling."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    logits.masked_fill_(~finite[:, None], 0.0)
+    (NON_FINITE). Every operation below is row by row, so such a row cannot disturb the others; it is zeroed
+    only where its values would otherwise be computed with (random rows, logprobs)."""
+    # A row is finite iff its max and min are (both propagate NaN): two vectorised reductions, where
+    # isfinite().all() is four passes over the (B, vocab) logits (~1 ms a step at batch 8 on 2 cores).
+    finite = logits.amax(dim=-1).isfinite() & logits.amin(dim=-1).isfinite()
     apply_repetition_penalty(logits, seqs)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+    want_logprobs = any(s.sampling.logprobs or s.sampling.top_logprobs for s in seqs)
+    if random_rows or want_logprobs:
+        logits = logits.masked_fill(~finite[:, None], 0.0)
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         params = [seqs[i].sampling for i in random_rows]
@@ -117,7 +122,6 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> SampleResult:
             [torch.empty_like(probs[j]).exponential_(generator=seqs[i].generator) for j, i in enumerate(random_rows)]
         )
         tokens[rows] = (probs / noise).argmax(dim=-1)
-    want_logprobs = any(s.sampling.logprobs or s.sampling.top_logprobs for s in seqs)
     token_list = torch.where(finite, tokens, NON_FINITE).tolist()  # the step's one device-to-host read
     if not want_logprobs:
         return SampleResult(token_list, None, None)

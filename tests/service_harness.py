@@ -18,7 +18,8 @@ from service.client import LoraServeClient
 from service.grpc_api.server import LoraServer, ServerConfig
 
 T = TypeVar("T")
-LIMITS = dict(compile=False, max_batch_size=8, max_seq_len=256, max_loras_per_batch=2, max_lora_rank=16)
+# float32: tokens are compared with float32 references ("auto" is bfloat16 on CPUs with native bf16).
+LIMITS = dict(dtype="float32", compile=False, max_batch_size=8, max_seq_len=256, max_loras_per_batch=2, max_lora_rank=16)
 DEMO_ADAPTERS = ("pirate", "poet", "scribe")
 
 

@@ -13,6 +13,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lora_compile import Engine, EngineConfig, SamplingParams
+from lora_compile import config as config_module
+from lora_compile.config import resolve_dtype
+from lora_compile.packed_gemm import native_bf16
 from tests.conftest import ENGINE_LIMITS
 
 AGREE = 8
@@ -32,7 +35,7 @@ def _reference_bf16(model_dir, adapter_dir=None) -> list[int]:
 
 @pytest.mark.parametrize("adapter", [None, "all4"])
 def test_bf16_greedy_agrees_with_transformers_bf16(models, adapters, adapter):
-    engine = Engine(EngineConfig(model=str(models["llama"]), dtype="bfloat16", compile=False, **ENGINE_LIMITS))
+    engine = Engine(EngineConfig(model=str(models["llama"]), compile=False, **(ENGINE_LIMITS | {"dtype": "bfloat16"})))
     assert engine.dtype == torch.bfloat16
     for name, path in adapters["llama"].items():
         engine.adapters.register(name, str(path))
@@ -46,3 +49,16 @@ def test_bf16_greedy_agrees_with_transformers_bf16(models, adapters, adapter):
     ref = _reference_bf16(models["llama"], adapters["llama"][adapter] if adapter else None)
     assert len(set(ref)) >= AGREE // 2, f"degenerate reference {ref}"
     assert ours[0] == ref
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch):
+    """`auto` picks bfloat16 on a CPU with native bf16 (half the bytes per decode step), float32 on one without
+    (emulated bf16 is slower than float32), and always bfloat16 on CUDA."""
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native_bf16() else torch.float32)
+    monkeypatch.setattr(config_module, "native_bf16", lambda: False)
+    assert resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(config_module, "native_bf16", lambda: True)
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", cpu) == torch.float32

@@ -306,6 +306,7 @@ def test_huge_text_prompts_are_refused_before_tokenizing():
 
     try:
         burst_of_refusals()  # grpc's buffers for messages of this size exist once a server has received some
+        longest_gap()  # and the engine's kernels (oneDNN JITs one per row count) once it has generated
         baseline, trials, refusals = rss(), [], []
         # Paired trials (solo, then during a burst). Tokenizing these texts would stall the stream by seconds in
         # every trial; one trial's longest of ~200 gaps is a noisy tail on 2 shared cores: up to 5 trials.

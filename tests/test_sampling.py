@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lora_compile import SamplingParams, Sequence
+from lora_compile.sampling import NON_FINITE, sample
 from tests.checkpoints import load_reference
 from tests.conftest import build_engine
 from tests.test_engine_golden import PROMPTS
@@ -101,3 +102,28 @@ def test_requests_that_cannot_fit_are_refused(engine):
     with pytest.raises(ValueError, match="at least one token"):
         engine.try_admit(Sequence(3, [], SamplingParams()))
     assert engine.num_free_kv_slots == engine.config.max_batch_size
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_row_gets_no_token_and_leaves_the_others_alone(bad):
+    """A row with one NaN or infinity gets NON_FINITE; the greedy, seeded and logprob rows beside it get what they
+    get alone."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=gen) * 3
+    logits[1, 17] = bad
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5),
+              SamplingParams(logprobs=True, top_logprobs=2)]
+
+    def seqs():
+        out = [Sequence(i, [1, 2], p) for i, p in enumerate(params)]
+        for s in out:
+            if not s.sampling.greedy:
+                s.generator = torch.Generator().manual_seed(s.sampling.seed)
+        return out
+
+    batch = sample(logits.clone(), seqs())
+    assert batch.token_ids[1] == NON_FINITE
+    for row in (0, 2, 3):
+        alone = sample(logits[row:row + 1].clone(), [seqs()[row]])
+        assert batch.token_ids[row] == alone.token_ids[0] != NON_FINITE
+    assert batch.logprobs[3] == alone.logprobs[0] and batch.top_logprobs[3] == alone.top_logprobs[0]

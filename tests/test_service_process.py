@@ -61,7 +61,7 @@ class ServeProcess:
 
 
 def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
-    server = ServeProcess("--grace-period", str(DRAIN_BOUND_S), "--no-prepack-weights")
+    server = ServeProcess("--grace-period", str(DRAIN_BOUND_S), "--no-prepack-weights", "--dtype", "float32")
     try:
         log = "".join(server.lines)
         assert "float32, plain weights (eager: --no-compile)" in log
