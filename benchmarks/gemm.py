@@ -2,6 +2,7 @@
 for one decode step's weights, by row count.
 
     python -m benchmarks.gemm               # GEMM time by row count (bf16 packed where the CPU has bf16)
+    python -m benchmarks.gemm --prefill     # the same at prefill sizes (65-513 rows)
     python -m benchmarks.gemm --dispatch    # what calling the packed GEMM as an op costs per call
 
 The weights are those of the SmolLM2-135M shape (30 layers of qkv, o, gate_up, down, plus the 49152-row head):
@@ -68,7 +69,9 @@ def dispatch(rounds: int = 7, calls: int = 2000) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dispatch", action="store_true", help="per-call cost of the packed GEMM op instead")
-    if p.parse_args().dispatch:
+    p.add_argument("--prefill", action="store_true", help="prefill-sized row counts (65-513) instead")
+    args = p.parse_args()
+    if args.dispatch:
         return dispatch()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms for all GEMMs of one step")
     names = ["fp32 F.linear", "fp32 W-left", "fp32 packed", "bf16 F.linear", "bf16 W-left"]
@@ -79,7 +82,7 @@ def main() -> None:
         names.append("bf16 packed")
         runs.append((bf16, "packed"))
     print(f"{'rows':>5} " + " ".join(f"{n:>14}" for n in names))
-    for rows in (1, 2, 3, 4, 5, 6, 8, 9, 16, 33, 128):
+    for rows in (65, 128, 192, 256, 384, 513) if args.prefill else (1, 2, 3, 4, 5, 6, 8, 9, 16, 33, 128):
         cells = [step_ms(ws, rows, form) for ws, form in runs]
         print(f"{rows:>5} " + " ".join(f"{c:>14.1f}" for c in cells), flush=True)
 

@@ -141,9 +141,7 @@ def replay_ttft(engine, specs: list[tuple[list[int], str | None, int]], times: l
             for seq_id in out.seq_ids:
                 if len(seqs[seq_id].output_ids) == 1:
                     ttft[seq_id] = now - times[seq_id]
-            for seq in [s for s in running if s.is_finished]:
-                engine.release(seq)
-                running.remove(seq)
+            engine.release_finished(running)
     finally:
         for seq in running:
             engine.release(seq)

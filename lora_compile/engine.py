@@ -381,10 +381,14 @@ class Engine:
                 if on_token:
                     for seq_id, token in zip(out.seq_ids, out.token_ids):
                         on_token(seq_id, token)
-                for seq in [s for s in running if s.is_finished]:
-                    self.release(seq)
-                    running.remove(seq)
+                self.release_finished(running)
         finally:
             for seq in running:
                 self.release(seq)
         return [s.output_ids for s in seqs]
+
+    def release_finished(self, running: list[Sequence]) -> None:
+        """Release the finished sequences of `running` and drop them from it (a caller's own generate loop)."""
+        for seq in [s for s in running if s.is_finished]:
+            self.release(seq)
+            running.remove(seq)

@@ -47,18 +47,22 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 # oneDNN builds (JIT) one kernel per row count and keeps it, ~0.6 MB each per weight shape: rows are padded up to
-# these few sizes so that memory stays bounded. They are 4k + 1 because a decode step of batch B has B + 1 rows
-# (one dummy token), so batches of 8, 16, 24, 32 pad nothing. Two to five rows and more than 65 go to MKL
-# instead, which is as fast there (W @ x.T streams W once; python -m benchmarks.gemm).
-PACKED_ROWS = (1, 9, 13, 17, 21, 25, 29, 33, 41, 49, 57, 65)
+# a few sizes so that memory stays bounded. They are 4k + 1 because a decode step of batch B has B + 1 rows
+# (one dummy token), so batches of 8, 16, 24, 32 pad nothing, and a full prefill step of a 64k-token budget
+# neither. Above 129 the sizes step by 64: at most max_num_batched_tokens / 64 more kernels per shape. Packed
+# beats the faster MKL form at every prefill size too (float32 1.04-1.57x, bfloat16 1.03-1.25x at 65-513 rows;
+# python -m benchmarks.gemm --prefill), and a padding below 64 rows costs less than that. Two to five rows go to MKL in float32, which is as fast there.
+PACKED_ROWS = (1, 9, 13, 17, 21, 25, 29, 33, 41, 49, 57, 65, 81, 97, 113, 129)
 
 
 def packed_rows(rows: int, dtype: torch.dtype = torch.float32) -> int | None:
-    """The row count oneDNN runs for `rows` rows of input, or None where MKL runs them (float32 only: in bf16
-    oneDNN at 9 rows beats MKL at 2, python -m benchmarks.gemm)."""
+    """The row count oneDNN runs for `rows` rows of input, or None where MKL runs them (2-5 rows in float32 only:
+    in bf16 oneDNN at 9 rows beats MKL at 2, python -m benchmarks.gemm)."""
     if 2 <= rows <= 5 and dtype == torch.float32:
         return None
-    return next((b for b in PACKED_ROWS if rows <= b), None)
+    if rows > PACKED_ROWS[-1]:
+        return -(-(rows - 1) // 64) * 64 + 1
+    return next(b for b in PACKED_ROWS if rows <= b)
 
 
 # Defined with a plain Library rather than @custom_op: the dispatcher then calls the Python kernel directly,

@@ -111,15 +111,17 @@ def test_lora_layer_matches_per_token_reference_on_every_path(compiled):
 
 
 def test_packed_linear_is_exact_at_every_row_count_with_few_onednn_sizes():
-    """oneDNN keeps one kernel per row count (~0.6 MB each): rows are padded to a bounded set of sizes."""
+    """oneDNN keeps one kernel per row count (~0.6 MB each): rows are padded to a bounded set of sizes (the fixed
+    ones, then one per 64 rows of a step's token budget)."""
     torch.manual_seed(0)
     weight = torch.randn(48, 32)
     packed = packed_gemm.prepack(weight)
-    for rows in (1, 2, 3, 5, 6, 8, 9, 31, 33, 64, 65, 300):
+    for rows in (1, 2, 3, 5, 6, 8, 9, 31, 33, 64, 65, 66, 100, 129, 130, 300, 513):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(packed_gemm.packed_linear(x, weight, packed), x @ weight.T, atol=1e-4, rtol=1e-4)
-    sizes = {packed_gemm.packed_rows(rows) for rows in range(1, 4097)} - {None}
-    assert sizes == set(packed_gemm.PACKED_ROWS)
+    sizes = {packed_gemm.packed_rows(rows) for rows in range(1, 4098)} - {None}
+    assert sizes == set(packed_gemm.PACKED_ROWS) | set(range(193, 4098, 64))
+    assert all(rows <= packed_gemm.packed_rows(rows) < rows + 64 for rows in range(6, 4098))
 
 
 class _CountOps(TorchDispatchMode):
