@@ -146,7 +146,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto": bfloat16 on CUDA and on CPUs that compute it natively (AVX-512 BF16 or AMX: decode streams half the
-    bytes, 1.3-1.5x float32 there, docs/benchmarks.md), else float32 (emulated bf16 would be slower).
+    bytes, 1.1-1.6x float32 there, docs/benchmarks.md), else float32 (emulated bf16 would be slower).
     float32 stays the exact reference: pass it explicitly to compare with a float32 model token for token."""
     if name == "auto":
         if device.type == "cuda" or (device.type == "cpu" and native_bf16()):
