@@ -47,11 +47,11 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 # oneDNN builds (JIT) one kernel per row count and keeps it, ~0.6 MB each per weight shape: rows are padded up to
-# a few sizes so that memory stays bounded. They are 4k + 1 because a decode step of batch B has B + 1 rows
-# (one dummy token), so batches of 8, 16, 24, 32 pad nothing, and a full prefill step of a 64k-token budget
-# neither. Above 129 the sizes step by 64: at most max_num_batched_tokens / 64 more kernels per shape. Packed
-# beats the faster MKL form at every prefill size too (float32 1.04-1.57x, bfloat16 1.03-1.25x at 65-513 rows;
-# python -m benchmarks.gemm --prefill), and a padding below 64 rows costs less than that. Two to five rows go to MKL in float32, which is as fast there.
+# a few sizes so that memory stays bounded. They are 4k + 1 because a step has one dummy token: decode steps of
+# batch 8, 16, 24, 32 pad nothing, nor does a full prefill step of a budget that is a multiple of 64. Above 129
+# the sizes step by 64: at most max_num_batched_tokens / 64 more kernels per shape. Packed beats the faster MKL
+# form at prefill sizes too (float32 1.04-1.57x, bfloat16 1.03-1.25x at 65-513 rows; python -m benchmarks.gemm
+# --prefill), by more than the padding costs. Two to five rows go to MKL in float32, which is as fast there.
 PACKED_ROWS = (1, 9, 13, 17, 21, 25, 29, 33, 41, 49, 57, 65, 81, 97, 113, 129)
 
 
