@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from benchmarks.common import smollm2_checkpoint
-from benchmarks.serving import _free_port, one_request, replay_ttft
+from benchmarks.serving import _free_port, one_request, replay_ttft, wait_ready
 from service.client import AsyncLoraServeClient
 
 NEW_TOKENS = 64
@@ -30,11 +30,8 @@ def start_server(model, args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--http-port", "0",
            "--max-batch-size", str(args.streams), "--max-seq-len", "512", "--dtype", args.dtype,
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if "ready on" in line:
-            return proc, f"127.0.0.1:{port}"
-    raise RuntimeError(f"lora-serve exited with {proc.wait()} before it was ready")
+    return wait_ready(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)), \
+        f"127.0.0.1:{port}"
 
 
 async def served_burst(target: str, prompts: list[list[int]]) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import socket
@@ -107,14 +108,11 @@ def offline_itl(engine, specs: list[tuple[list[int], str | None, int]]) -> list[
 
 
 def arrivals(args, adapters: list[str]) -> tuple[list[tuple[list[int], str | None, int]], list[float]]:
-    """run_load's requests and their send times (s from the first), drawn from the same seeded rng."""
+    """The load's requests and, for each, the wait after sending it (Poisson; 0 at rate 0), from one seeded rng:
+    run_load sends them, replay_ttft replays them into the bare engine."""
     rng = random.Random(args.seed)
-    specs = request_specs(args, adapters, rng)
-    times, t = [], 0.0
-    for _ in specs:
-        times.append(t)
-        t += rng.expovariate(args.rate) if args.rate > 0 else 0.0
-    return specs, times
+    specs = request_specs(args, adapters, rng)  # then the same rng draws the gaps
+    return specs, [rng.expovariate(args.rate) if args.rate > 0 else 0.0 for _ in specs]
 
 
 def replay_ttft(engine, specs: list[tuple[list[int], str | None, int]], times: list[float]) -> list[float]:
@@ -175,8 +173,7 @@ async def one_http_request(client, prompt: list[int], adapter: str | None, max_n
 
 async def run_load(target: str, args, adapters: list[str], door: str = "grpc") -> tuple[list[RequestResult], float]:
     """`target`: host:port of the gRPC door, or the HTTP door's base URL (http://host:port) for door "http"."""
-    rng = random.Random(args.seed)
-    specs = request_specs(args, adapters, rng)  # then the same rng draws the arrival times
+    specs, gaps = arrivals(args, adapters)
     if door == "http":
         import openai
         # (HTTP/1.1: one stream per connection; the client's default pool holds 1000 connections)
@@ -188,10 +185,10 @@ async def run_load(target: str, args, adapters: list[str], door: str = "grpc") -
         await send(client, [5, 6, 7], None, 2)  # connection set-up outside the measurement
         tasks = []
         t0 = time.perf_counter()
-        for prompt, adapter, max_new in specs:
+        for (prompt, adapter, max_new), gap in zip(specs, gaps):
             tasks.append(asyncio.create_task(send(client, prompt, adapter, max_new)))
-            if args.rate > 0:
-                await asyncio.sleep(rng.expovariate(args.rate))
+            if gap:
+                await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0
 
@@ -229,13 +226,16 @@ def start_server(model: Path, adapter_dirs: list[Path], args) -> tuple[subproces
            "--max-queue", str(args.num_requests), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     for i, d in enumerate(adapter_dirs):
         cmd += ["--adapter", f"a{i}={d}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # wait for the ready line (warm-up included)
-        if "ready on" in line:
-            break
-    else:
-        raise RuntimeError(f"lora-serve exited with {proc.wait()} before it was ready")
+    proc = wait_ready(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}" if http_port else ""
+
+
+def wait_ready(proc: subprocess.Popen) -> subprocess.Popen:
+    """Read a lora-serve process's output up to its ready line (warm-up included)."""
+    for line in proc.stdout:
+        if "ready on" in line:
+            return proc
+    raise RuntimeError(f"lora-serve exited with {proc.wait()} before it was ready")
 
 
 def report(results: list[RequestResult], duration: float) -> float:
@@ -315,7 +315,8 @@ def main() -> None:
         print(f"bare engine, same requests offline: ITL P50 {1000 * o50:.1f} ms, P95 {1000 * o95:.1f} ms; "
               f"served P95 / offline P95 = {p95 / o95:.2f}x")
         # TTFT beside the engine's: the same requests at the same arrival times, replayed into the bare engine.
-        replayed = replay_ttft(engine, *arrivals(args, names))
+        specs, gaps = arrivals(args, names)
+        replayed = replay_ttft(engine, specs, [0.0, *itertools.accumulate(gaps)][:-1])
         ttft = [r.ttft for r in served[0] if r.error is None]
         for q in (50, 95):
             print(f"TTFT P{q}: served {1000 * percentile(ttft, q):.1f} ms, bare engine (same arrivals) "
