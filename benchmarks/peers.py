@@ -8,8 +8,9 @@ Systems: ours in float32 and, where the CPU computes bf16 natively, bfloat16 (co
 vLLM-CPU (offline LLM, float32) with LoRA on and with LoRA off (torch.compile on; base workload only), each in a
 worker process of its own virtual environment (--vllm-venv or LORA_SERVE_VLLM_VENV; skipped with a message when
 absent; install: docs/benchmarks.md). Per system and workload: TTFT of the batch (a generate of 1 token: time until
-all B sequences have their first token) and decode tok/s (B * 63 / (t64 - t1)), medians over rounds; ratios are
-taken within a round, then their median reported.
+all B sequences have their first token) and decode tok/s: B * 63 over the time from the moment every sequence has its
+first token to the last token, within one 64-token run (ours: token callbacks; vLLM: its per-request timestamps),
+medians over rounds; ratios are taken within a round, then their median reported.
 """
 from __future__ import annotations
 
@@ -49,12 +50,21 @@ class Ours:
         engine_thread.call(register_adapters, self.engine, adapters)
         engine_thread.call(self.engine.warmup)
 
-    def run(self, prompts, adapters, max_tokens) -> tuple[float, list[list[int]]]:
+    def run(self, prompts, adapters, max_tokens) -> tuple[float, float, list[list[int]]]:
         def go():
             import time
+            first: dict[int, float] = {}
+            last = 0.0
+
+            def on_token(seq_id: int, token: int) -> None:
+                nonlocal last
+                last = time.perf_counter()
+                first.setdefault(seq_id, last)
+
             t0 = time.perf_counter()
-            out = self.engine.generate(prompts, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True), adapters)
-            return time.perf_counter() - t0, out
+            out = self.engine.generate(prompts, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True), adapters,
+                                       on_token=on_token)
+            return time.perf_counter() - t0, last - max(first.values()), out
         return engine_thread.call(go)
 
 
@@ -71,7 +81,7 @@ class VllmWorker:
         else:
             raise RuntimeError(f"vLLM worker ({mode}) exited with {self.proc.wait()}")
 
-    def run(self, prompts, adapters, max_tokens) -> tuple[float, list[list[int]]]:
+    def run(self, prompts, adapters, max_tokens) -> tuple[float, float, list[list[int]]]:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "adapters": adapters, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
@@ -80,7 +90,9 @@ class VllmWorker:
         if not line:
             raise RuntimeError(f"vLLM worker exited with {self.proc.wait()}")
         reply = json.loads(line)
-        return reply["seconds"], reply["tokens"]
+        if reply["decode_seconds"] is None:
+            raise RuntimeError("vLLM gave no per-request timestamps (request stats off?)")
+        return reply["seconds"], reply["decode_seconds"], reply["tokens"]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -89,9 +101,9 @@ class VllmWorker:
 
 def measure(system, batch: int, kind: str) -> tuple[float, float, list[list[int]]]:
     prompts, adapters = workload(batch, kind)
-    t1, _ = system.run(prompts, adapters, 1)
-    t64, tokens = system.run(prompts, adapters, NEW_TOKENS)
-    return t1, batch * (NEW_TOKENS - 1) / max(t64 - t1, 1e-9), tokens
+    t1, _, _ = system.run(prompts, adapters, 1)
+    _, decode, tokens = system.run(prompts, adapters, NEW_TOKENS)
+    return t1, batch * (NEW_TOKENS - 1) / max(decode, 1e-9), tokens
 
 
 def main() -> None:
