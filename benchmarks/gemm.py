@@ -4,6 +4,7 @@ for one decode step's weights, by row count.
     python -m benchmarks.gemm               # GEMM time by row count (bf16 packed where the CPU has bf16)
     python -m benchmarks.gemm --prefill     # the same at prefill sizes (65-513 rows)
     python -m benchmarks.gemm --dispatch    # what calling the packed GEMM as an op costs per call
+    python -m benchmarks.gemm --bandwidth   # the machine's memory read speed: the floor of a weight-streaming step
 
 The weights are those of the SmolLM2-135M shape (30 layers of qkv, o, gate_up, down, plus the 49152-row head):
 all distinct, so nothing stays in cache, as in a real step.
@@ -66,13 +67,31 @@ def dispatch(rounds: int = 7, calls: int = 2000) -> None:
         print(f"  {name:22s} {value:7.1f}")
 
 
+def bandwidth(rounds: int = 5) -> None:
+    """Read speed from memory: a sum over 1 GiB of float32 (far beyond any cache), the best of `rounds`. A decode step
+    reads every weight once, so bytes / this speed is its floor (SmolLM2-135M: 0.54 GB float32, 0.27 GB bf16)."""
+    data = torch.ones(256 * 1024 * 1024)
+    data.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    gb = data.numel() * data.element_size() / 1e9
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; read {gb:.2f} GB in {best * 1e3:.1f} ms: "
+          f"{gb / best:.1f} GB/s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dispatch", action="store_true", help="per-call cost of the packed GEMM op instead")
     p.add_argument("--prefill", action="store_true", help="prefill-sized row counts (65-513) instead")
+    p.add_argument("--bandwidth", action="store_true", help="the machine's memory read speed instead")
     args = p.parse_args()
     if args.dispatch:
         return dispatch()
+    if args.bandwidth:
+        return bandwidth()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms for all GEMMs of one step")
     names = ["fp32 F.linear", "fp32 W-left", "fp32 packed", "bf16 F.linear", "bf16 W-left"]
     fp32 = [torch.randn(*s) for s in SHAPES]
