@@ -16,22 +16,21 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 
 from benchmarks.common import smollm2_checkpoint
-from benchmarks.serving import _free_port, one_request, replay_ttft, wait_ready
+from benchmarks.serving import one_request, replay_ttft
+from benchmarks.serving import start_server as serving_server
 from service.client import AsyncLoraServeClient
 
 NEW_TOKENS = 64
 
 
 def start_server(model, args) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--http-port", "0",
-           "--max-batch-size", str(args.streams), "--max-seq-len", "512", "--dtype", args.dtype,
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return wait_ready(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)), \
-        f"127.0.0.1:{port}"
+    """The gRPC door only, a batch and a queue of `--streams`, no adapters (benchmarks.serving.start_server)."""
+    load = argparse.Namespace(door="grpc", max_batch_size=args.streams, max_loras_per_batch=1, num_requests=args.streams,
+                              max_num_batched_tokens=args.max_num_batched_tokens)
+    proc, target, _ = serving_server(model, [], load, "--dtype", args.dtype)
+    return proc, target
 
 
 async def served_burst(target: str, prompts: list[list[int]]) -> float:

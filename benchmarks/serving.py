@@ -217,8 +217,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, adapter_dirs: list[Path], args) -> tuple[subprocess.Popen, str, str]:
-    """(process, gRPC target, HTTP base URL or "" when the HTTP door is off)."""
+def start_server(model: Path, adapter_dirs: list[Path], args, *flags: str) -> tuple[subprocess.Popen, str, str]:
+    """(process, gRPC target, HTTP base URL or "" when the HTTP door is off); `flags`: more `lora-serve` flags."""
     port, http_port = _free_port(), _free_port() if args.door != "grpc" else 0
     cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--http-port", str(http_port),
            "--max-batch-size", str(args.max_batch_size), "--max-seq-len", "512",
@@ -226,6 +226,7 @@ def start_server(model: Path, adapter_dirs: list[Path], args) -> tuple[subproces
            "--max-queue", str(args.num_requests), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     for i, d in enumerate(adapter_dirs):
         cmd += ["--adapter", f"a{i}={d}"]
+    cmd += flags
     proc = wait_ready(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}" if http_port else ""
 

@@ -44,9 +44,7 @@ def test_random_workload_never_recompiles(compiled_engines):
         engine.step(running)  # raises on any recompile: the engine is past warm-up
         sizes_seen.add(len(running))
         steps += 1
-        for seq in [s for s in running if s.is_finished]:
-            engine.release(seq)
-            running.remove(seq)
+        engine.release_finished(running)
     for seq in running:
         engine.release(seq)
     assert sizes_seen >= set(range(1, max_batch + 1)), f"workload did not cover every batch size: {sizes_seen}"

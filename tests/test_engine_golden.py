@@ -36,9 +36,7 @@ def run_joining(engine, prompts, adapters=None, join_at=JOIN_AT_STEP):
             out = engine.step(running, return_logits=True)
             for row, seq_id in enumerate(out.seq_ids):
                 logits[seq_id].append(out.logits[row])
-            for seq in [s for s in running if s.is_finished]:
-                engine.release(seq)
-                running.remove(seq)
+            engine.release_finished(running)
         step += 1
     return [s.output_ids for s in seqs], [torch.stack(logits[i]) for i in range(len(prompts))]
 

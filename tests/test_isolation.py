@@ -149,9 +149,7 @@ def test_compiled_engine_isolates_non_finite_sequences(compiled_engines, adapter
         assert len(running) == len(seqs)
         while running:
             engine.step(running)
-            for s in [s for s in running if s.is_finished]:
-                engine.release(s)
-                running.remove(s)
+            engine.release_finished(running)
         assert seqs[0].finish_reason == "error" and "'poison'" in seqs[0].error and seqs[0].output_ids == []
         assert [s.output_ids for s in seqs[1:]] == refs
     finally:

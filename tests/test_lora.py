@@ -183,10 +183,10 @@ def test_one_adapters_decode_tokens_run_side_by_side(models, adapters):
     slots = [p.seq.lora_slot for p in single]
     assert not chunks and len(slots) == len(order) and slots == sorted(slots)
     assert [s.lora_slot for s in seqs] != sorted(s.lora_slot for s in seqs)  # the order was the step's doing
-    while not all(s.is_finished for s in seqs):
-        engine.step([s for s in seqs if not s.is_finished])
-    for s in seqs:
-        engine.release(s)
+    running = list(seqs)
+    while running:
+        engine.step(running)
+        engine.release_finished(running)
     assert [s.output_ids for s in seqs] == alone
     assert len({tuple(t) for t in alone}) > 2  # the adapters (and the base) continue differently
 
@@ -311,9 +311,7 @@ def test_slots_pin_running_adapters_and_evict_lru(models, adapters):
     running = [b, c]
     while running:
         engine.step(running)
-        for s in [s for s in running if s.is_finished]:
-            engine.release(s)
-            running.remove(s)
+        engine.release_finished(running)
     assert b.output_ids == alone[b.adapter] and c.output_ids == alone[c.adapter]
     # a's adapter comes back from the host cache and still gives its own tokens
     assert engine.generate([PROMPTS[1]], sp, adapters=[a.adapter])[0] == alone[a.adapter]
