@@ -1,12 +1,14 @@
-"""Why compiled decode attention is written as two reductions: one layer's decode attention, compiled, in the form
-the engine uses (lora_compile.model.attend_decode) and in the bmm form it replaced (attend), side by side.
+"""Why compiled decode attention is written as two reductions, keys innermost: one layer's decode attention, with
+the rotary embedding of its queries, compiled as the engine compiles it (sizes dynamic, traced at a small step), in
+the form the engine uses (lora_compile.model.attend_decode) and in the forms it replaced, side by side.
 
     python -m benchmarks.attention [--batches 8 32] [--keys 80 200] [--rounds 7]
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), float32, a KV cache of 33 slots x 256
 positions; each sequence reads `keys` cached positions from its own (shuffled) slot. The bmm form gathers every
-sequence's K into a (B, Hkv, D, S) copy and V into (B, Hkv, S, D) before two bmm calls; the reduction form reads
-both from the cache by slot inside Inductor's loops. Prints microseconds per call (medians of interleaved rounds).
+sequence's K into a (B, Hkv, D, S) copy and V into (B, Hkv, S, D) before two bmm calls; the reduction forms read
+both from the cache by slot inside Inductor's loops, with scores laid out (B, Hkv, G, S) (keys innermost, the
+engine's) or (B, S, Hkv, G) (keys outermost, before). Prints microseconds per call (medians of interleaved rounds).
 """
 from __future__ import annotations
 
@@ -15,29 +17,68 @@ import argparse
 import torch
 
 from benchmarks.common import interleaved, per_call_us
+from lora_compile import compile_policy
+from lora_compile.layers import apply_rotary
 from lora_compile.model import attend, attend_decode
 
 HKV, GROUP, HEAD_DIM, SLOTS, MAX_LEN = 3, 3, 64, 33, 256
 
 
-def measure(batch: int, keys: int, rounds: int) -> None:
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(0)
+def keys_outermost(q, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, scale, window):
+    """attend_decode as it was: scores (B, S, Hkv, G), the softmax across keys at a stride of Hkv * G."""
+    batch, s = token_idx.shape[0], key_pos.shape[0]
+    qb = q[token_idx].view(batch, 1, HKV, GROUP, HEAD_DIM).float()
+    scores = (qb * k_cache[kv_slots, :s][:, :, :, None, :].float()).sum(-1) * scale
+    visible = key_pos[None, :] <= q_pos[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible[:, :, None, None], float("-inf")), dim=1).to(q.dtype)
+    v = v_cache[kv_slots, :s].masked_fill(~visible[:, :, None, None], 0)
+    return (probs[..., None] * v[:, :, :, None, :]).sum(1).reshape(batch, HKV * GROUP * HEAD_DIM)
+
+
+def bmm_form(q, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, scale, window):
+    return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], kv_slots, key_pos, scale, window)
+
+
+FORMS = {"keys innermost (engine)": attend_decode, "keys outermost (before)": keys_outermost,
+         "gather + bmm (first)": bmm_form}
+
+
+def with_rotary(form):
+    """The form after the queries' rotary embedding, as in the layer (Inductor fuses the two)."""
+    def layer_attention(q, cos, sin, *rest):
+        return form(apply_rotary(q, cos, sin), *rest)
+    return layer_attention
+
+
+def make_inputs(batch: int, keys: int, gen: torch.Generator):
     k_cache = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
     v_cache = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
-    q = torch.randn(batch + 1, HKV * GROUP, HEAD_DIM, generator=gen)
+    q = torch.randn(batch + 1, HKV * GROUP, HEAD_DIM, generator=gen)  # + the step's dummy token
+    cos, sin = torch.randn(batch + 1, HEAD_DIM, generator=gen), torch.randn(batch + 1, HEAD_DIM, generator=gen)
     token_idx = torch.arange(batch)
     q_pos = torch.full((batch,), keys - 1)
     kv_slots = torch.randperm(SLOTS - 1, generator=gen)[:batch]
     key_pos = torch.arange(keys)
-    args = (q, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, HEAD_DIM ** -0.5, None)
+    args = (q, cos, sin, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, HEAD_DIM ** -0.5, None)
+    for i in (0, 1, 2, 5, 6, 7, 8):  # the engine's step-varying dims
+        torch._dynamo.mark_dynamic(args[i], 0)
+    return args
 
-    def bmm_form(q, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, scale, window):
-        return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], kv_slots, key_pos, scale, window)
 
-    forms = {"reductions (engine)": torch.compile(attend_decode, fullgraph=True),
-             "gather + bmm (before)": torch.compile(bmm_form, fullgraph=True)}
-    reference = bmm_form(*args)
+def compiled_forms() -> dict:
+    """Each form compiled once, traced at a small step (3 sequences, 8 keys) as the engine's warm-up traces."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(1)
+    forms = {}
+    for name, form in FORMS.items():
+        forms[name] = torch.compile(with_rotary(form), fullgraph=True)
+        forms[name](*make_inputs(3, 8, gen))
+    return forms
+
+
+def measure(forms: dict, batch: int, keys: int, rounds: int) -> None:
+    args = make_inputs(batch, keys, torch.Generator().manual_seed(0))
+    reference = with_rotary(bmm_form)(*args)
     for fn in forms.values():
         torch.testing.assert_close(fn(*args), reference, atol=1e-5, rtol=1e-5)
     calls = 200
@@ -54,10 +95,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    compile_policy.configure(None)  # the engine's Inductor settings
     with torch.no_grad():
+        forms = compiled_forms()
         for batch in args.batches:
             for keys in args.keys:
-                measure(batch, keys, args.rounds)
+                measure(forms, batch, keys, args.rounds)
 
 
 if __name__ == "__main__":
