@@ -10,7 +10,8 @@ worker process of its own virtual environment (--vllm-venv or LORA_SERVE_VLLM_VE
 absent; install: docs/benchmarks.md). Per system and workload: TTFT of the batch (a generate of 1 token: time until
 all B sequences have their first token) and decode tok/s: B * 63 over the time from the moment every sequence has its
 first token to the last token, within one 64-token run (ours: token callbacks; vLLM: its per-request timestamps),
-medians over rounds; ratios are taken within a round, then their median reported.
+medians over rounds; ratios are taken within a round, then their median reported. After each vLLM request the
+next system waits until vLLM's processes are idle (its engine keeps polling at a full core for a while).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -68,6 +70,42 @@ class Ours:
         return engine_thread.call(go)
 
 
+def tree_cpu_ticks(root: int) -> int:
+    """CPU time (clock ticks, user + system) of process `root` and every process below it."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        pid = int(stat.parent.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[11]) + int(fields[12])
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return total
+
+
+def wait_until_idle(root: int, window_s: float = 0.25, busy_share: float = 0.05, limit_s: float = 60.0) -> float:
+    """Wait until the process tree under `root` uses under `busy_share` of a core over `window_s`; the seconds waited.
+    vLLM's engine process keeps polling for its next request at a full core for a while after it answers: on 2
+    cores that halves the next system's compute (docs/benchmarks.md)."""
+    per_window = busy_share * window_s * os.sysconf("SC_CLK_TCK")
+    t0 = time.perf_counter()
+    before = tree_cpu_ticks(root)
+    while time.perf_counter() - t0 < limit_s:
+        time.sleep(window_s)
+        after = tree_cpu_ticks(root)
+        if after - before <= per_window:
+            break
+        before = after
+    return time.perf_counter() - t0
+
+
 class VllmWorker:
     def __init__(self, venv: Path, model: Path, adapter_root: Path, mode: str, threads: int):
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
@@ -75,6 +113,7 @@ class VllmWorker:
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), str(model), str(adapter_root), mode],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.idle_waits: list[float] = []
         for line in self.proc.stdout:
             if line.startswith('{"ready"'):
                 break
@@ -90,6 +129,7 @@ class VllmWorker:
         if not line:
             raise RuntimeError(f"vLLM worker exited with {self.proc.wait()}")
         reply = json.loads(line)
+        self.idle_waits.append(wait_until_idle(self.proc.pid))  # before any other system is timed
         if reply["decode_seconds"] is None:
             raise RuntimeError("vLLM gave no per-request timestamps (request stats off?)")
         return reply["seconds"], reply["decode_seconds"], reply["tokens"]
@@ -169,8 +209,11 @@ def main() -> None:
                 if name.startswith("vllm") and (batch, kind, name) in results:
                     same = sum(a == b for a, b in zip(ours, results[(batch, kind, name)][-1][2]))
                     print(f"  {kind:10s} greedy tokens equal to ours f32: {name} {same}/{batch}")
-    for system in systems.values():
+    for name, system in systems.items():
         if isinstance(system, VllmWorker):
+            waits = system.idle_waits
+            print(f"{name}: its processes kept a core busy {statistics.median(waits):.2f} s (median; max "
+                  f"{max(waits):.2f} s) after each request; the next system was timed once they were idle")
             system.close()
 
 
