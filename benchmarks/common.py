@@ -134,3 +134,12 @@ def per_call_us(fn: Callable[[], object], calls: int) -> Callable[[], float]:
 
 def fmt_row(cells, widths) -> str:
     return "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
+
+
+def proc_stat(path: str | Path) -> tuple[int, int] | None:
+    """(parent pid, CPU time in clock ticks: utime + stime) from a /proc .../stat file; None once it is gone."""
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[11]) + int(fields[12])

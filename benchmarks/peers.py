@@ -26,7 +26,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import register_adapters, smollm2_checkpoint, write_lora_adapters
+from benchmarks.common import (
+    proc_stat,
+    register_adapters,
+    smollm2_checkpoint,
+    write_lora_adapters,
+)
 from lora_compile import Engine, EngineConfig, SamplingParams
 from service.runner import engine_thread
 
@@ -74,14 +79,13 @@ def tree_cpu_ticks(root: int) -> int:
     """CPU time (clock ticks, user + system) of process `root` and every process below it."""
     children: dict[int, list[int]] = {}
     ticks: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        stat = proc_stat(path)
+        if stat is None:  # exited meanwhile
             continue
-        pid = int(stat.parent.name)
-        children.setdefault(int(fields[1]), []).append(pid)
-        ticks[pid] = int(fields[11]) + int(fields[12])
+        pid = int(path.parent.name)
+        children.setdefault(stat[0], []).append(pid)
+        ticks[pid] = stat[1]
     total, todo = 0, [root]
     while todo:
         pid = todo.pop()

@@ -26,7 +26,7 @@ import grpc.aio
 import torch
 
 import service.runner.engine_thread as engine_thread
-from benchmarks.common import smollm2_checkpoint, write_lora_adapter
+from benchmarks.common import proc_stat, smollm2_checkpoint, write_lora_adapter
 from benchmarks.engine import LIMITS
 from lora_compile import Engine, EngineConfig
 from service._proto import pb, pb_grpc
@@ -87,12 +87,8 @@ def sdk_thread_cpu_s() -> float:
     total = 0
     for thread in threading.enumerate():
         if thread.name.startswith("Otel") and thread.native_id is not None:
-            try:
-                with open(f"/proc/self/task/{thread.native_id}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += int(fields[11]) + int(fields[12])
+            stat = proc_stat(f"/proc/self/task/{thread.native_id}/stat")
+            total += stat[1] if stat else 0
     return total / tick
 
 
