@@ -153,13 +153,20 @@ def test_bad_names_refused_before_any_file_is_opened(served, adapter_dir):
     assert _loads(served) == loads  # nothing was read
 
 
-def test_slow_load_keeps_other_streams_stepping(served):
-    """A cold adapter whose read takes many steps: a running stream gains tokens during the read, and a request
-    that arrived after the cold one (for a warm adapter) is admitted and finishes first."""
+def test_slow_load_keeps_other_streams_stepping(served, monkeypatch):
+    """A cold adapter whose read is held until the test lets it go: a running stream keeps gaining tokens while it
+    is held, and a request that arrived after the cold one (for a warm adapter) is admitted and finishes before it
+    is let go. Order, not time: a warm request queued behind the load could not finish while the read is held."""
     loader = served.engine.adapters.loader
     prompt = served.engine.tokenizer.encode("Once upon a time")
-    step = _step_time(served, prompt)
-    loader.delay_s = 30 * step
+    release = threading.Event()
+    read = loader._read
+
+    def held_read(name: str, path: str):
+        release.wait(timeout=120)  # bounded: a request wrongly queued behind the load fails the test, not hangs it
+        return read(name, path)
+
+    monkeypatch.setattr(loader, "_read", held_read)
     cold = _name(11)
     try:
         running = BackgroundStream(served, prompt, max_new_tokens=200, ignore_eos=True)
@@ -170,15 +177,13 @@ def test_slow_load_keeps_other_streams_stepping(served):
         before = sum(len(c.token_ids) for c in running.chunks)
         with served.client() as client:  # arrives after the cold one, needs no load: not blocked behind it
             warm = client.complete(prompt, adapter="pirate", max_new_tokens=4, ignore_eos=True)
-        warm_done_while_loading = loader.loading(cold)
-        wait_for(lambda: not loader.loading(cold), timeout=60, what="the load to end")
-        during = sum(len(c.token_ids) for c in running.chunks) - before
-        assert len(warm.token_ids) == 4 and warm_done_while_loading
-        assert during >= 5, f"the running stream gained {during} tokens during a {loader.delay_s:.2f}s load"
-        assert len(cold_stream.result()) == 4
-        assert len(running.result()) == 200
+        assert len(warm.token_ids) == 4 and loader.loading(cold), "the warm request waited for the cold load"
+        wait_for(lambda: sum(len(c.token_ids) for c in running.chunks) - before >= 5,
+                 what="the running stream's tokens while the cold read is held")
     finally:
-        loader.delay_s = 0.0
+        release.set()
+    assert len(cold_stream.result()) == 4
+    assert len(running.result()) == 200
     served.wait_idle()
 
 
