@@ -33,14 +33,11 @@ from benchmarks.common import (
     write_lora_adapters,
 )
 from lora_compile import Engine, EngineConfig, SamplingParams
+from lora_compile.packed_gemm import native_bf16  # where the engine's `auto` picks bf16
 from service.runner import engine_thread
 
 NEW_TOKENS = 64
 WORKER = Path(__file__).with_name("peer_vllm_worker.py")
-
-
-def native_bf16() -> bool:
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def workload(batch: int, kind: str) -> tuple[list[list[int]], list[str | None]]:
