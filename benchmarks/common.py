@@ -20,21 +20,35 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+# The Llama-3.2-1B-like shape the GPU benchmarks use (benchmarks/cuda.py), untied head.
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
 def smollm2_checkpoint(root: Path | None = None) -> Path:
-    out = (root or default_cache_dir() / "bench") / "smollm2-135m-shaped"
+    return random_checkpoint("smollm2-135m-shaped", SMOLLM2_135M, root=root)
+
+
+def random_checkpoint(name: str, shape: dict, dtype: torch.dtype = torch.float32, root: Path | None = None) -> Path:
+    """A Llama checkpoint of `shape` (a config.json's sizes) with seeded random weights, written once under root."""
+    out = (root or default_cache_dir() / "bench") / name
     if (out / "model.safetensors").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    c = SMOLLM2_135M
+    c = shape
     gen = torch.Generator().manual_seed(0)
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    q = h
-    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
+    head_dim = h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
+        return (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(dtype)
 
-    tensors = {"model.embed_tokens.weight": torch.randn(v, h, generator=gen) * 0.5, "model.norm.weight": torch.ones(h)}
+    ones = torch.ones(h, dtype=dtype)
+    tensors = {"model.embed_tokens.weight": (torch.randn(v, h, generator=gen) * 0.5).to(dtype), "model.norm.weight": ones}
+    if not c["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rand(v, h)
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         tensors |= {
@@ -42,11 +56,12 @@ def smollm2_checkpoint(root: Path | None = None) -> Path:
             p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
             p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
-            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "input_layernorm.weight": ones.clone(), p + "post_attention_layernorm.weight": ones.clone(),
         }
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                 "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, **c}))
+                                                 "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": 1,
+                                                 "eos_token_id": 2, **c}))
     write_demo_tokenizer(out)  # ids stay below the vocabulary; the text is irrelevant here
     return out
 

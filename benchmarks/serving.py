@@ -31,7 +31,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import decode_step_time, register_adapters, smollm2_checkpoint, write_lora_adapters
+import torch
+
+from benchmarks.common import (LLAMA_1B, decode_step_time, random_checkpoint, register_adapters, smollm2_checkpoint,
+                               write_lora_adapters)
 from service.client import AsyncLoraServeClient
 
 
@@ -272,6 +275,8 @@ def main() -> None:
                    help="the front door the load goes through; both: alternate them, side by side")
     p.add_argument("--rounds", type=int, default=3, help="--door both: loads per door, alternated")
     p.add_argument("--http-target", help="with --target and --door http/both: the HTTP door's base URL")
+    p.add_argument("--model", help="a checkpoint directory to serve (default: the SmolLM2-135M-shaped random one); "
+                                   "'llama-1b': the Llama-3.2-1B-shaped bf16 one of benchmarks.cuda")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     names = [f"a{i}" for i in range(args.adapters)]
@@ -283,7 +288,10 @@ def main() -> None:
             report(*asyncio.run(run_load(target, args, names, args.door)))
         return
 
-    model = smollm2_checkpoint()
+    if args.model == "llama-1b":
+        model = random_checkpoint("llama-1b-shaped-bf16", LLAMA_1B, torch.bfloat16)
+    else:
+        model = Path(args.model) if args.model else smollm2_checkpoint()
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_lora_adapters(model, Path(tmp), names)
         proc, target, http_target = start_server(model, list(adapters.values()), args)

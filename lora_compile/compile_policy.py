@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -64,8 +65,13 @@ def _layer_variant(layer, x, *batch) -> int:
     return int(ForwardBatch.flat_has_lora(batch))
 
 
+# torch 2.12 added reuse_hash_fn. Before it, Dynamo traces every layer's call and reuses identical graphs (slower
+# starts), and the layer stack is not saved (compile_model): the saved form is only checked on torch >= 2.12.
+REUSE_HASH = "reuse_hash_fn" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
 # Marks the decoder layer's forward inside the compiled stack (eager calls the layers directly).
-repeated_region = torch.compiler.nested_compile_region(reuse_hash_fn=_layer_variant)
+repeated_region = (torch.compiler.nested_compile_region(reuse_hash_fn=_layer_variant) if REUSE_HASH
+                   else torch.compiler.nested_compile_region())
 
 
 def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
@@ -73,6 +79,10 @@ def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
     configure returned) with its traced frame when `precompiled` (precompile.PrecompiledStack), else traced by
     torch.compile at every start."""
     from .model import layer_stack
+    if precompiled and not REUSE_HASH:
+        log.info("torch %s: the layer stack is traced at every start (saved stacks need torch >= 2.12)",
+                 torch.__version__)
+        precompiled = False
     if precompiled:
         model._run_layers = precompile.PrecompiledStack(model, layer_stack, mark_dynamic,
                                                         precompile.stacks_directory(cache_dir))

@@ -176,6 +176,9 @@ class EngineConfig:
     # With compile: save the traced and compiled layer stack in the Inductor cache directory and load it on the next
     # start, which then runs no Dynamo tracing (precompile). Off: torch.compile traces the stack at every start.
     precompile: bool = True
+    # On CUDA with compile: decode steps replay CUDA graphs, one per (batch bucket, key bucket, with/without
+    # adapters), captured on first use (lora_compile.cuda_graphs). Off: every step launches its kernels.
+    cuda_graphs: bool = True
     # CPU float32: run base projections on oneDNN-packed weights (2-3x faster GEMMs at decode sizes; a second
     # copy of the weights). Ignored where packed_gemm is not available.
     prepack_weights: bool = True

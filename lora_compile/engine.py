@@ -15,7 +15,9 @@ from . import compile_policy, packed_gemm
 from .checkpoint import SafetensorsCheckpoint
 from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .host_memory import available_memory_bytes
-from .forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from .batch_init import BatchInit, Planned, StepInputs
+from .cuda_graphs import DecodeGraphs, GraphShape
+from .forward_batch import ForwardBatch
 from .layers import rope_tables
 from .lora_manager import LoRAManager
 from .lora_merge import build_merger
@@ -36,6 +38,7 @@ class StepOutput:
     num_tokens: int = 0         # tokens processed (prefill chunks + decodes)
     num_adapters: int = 0       # distinct adapters in the step
     merged: bool = False        # ran on its one adapter merged into the weights (lora_merge)
+    cuda_graph: bool = False    # replayed a decode CUDA graph (cuda_graphs)
     kind: str = "decode"        # "decode", "prefill" or "mixed"
     start_ns: int = 0           # wall clock (time.time_ns) at the start of the step, for tracing
     batch_init_s: float = 0.0
@@ -48,17 +51,6 @@ class StepOutput:
         """Wall clock at the end of sampling (the phases back to back, as the step span lays them out)."""
         return (self.start_ns + int(self.batch_init_s * 1e9) + int(self.merge_s * 1e9) + int(self.forward_s * 1e9)
                 + int(self.sample_s * 1e9))
-
-
-@dataclass
-class _Planned:
-    seq: Sequence
-    start: int  # first position computed this step
-    length: int
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.length == self.seq.num_tokens
 
 
 def _host_cache_bytes(config: EngineConfig) -> int:
@@ -102,7 +94,6 @@ class Engine:
         n_kv_slots = config.max_batch_size + 1  # the extra slot absorbs padding tokens' writes
         for layer in self.model.layers:
             layer.self_attn.allocate_kv_cache(n_kv_slots, config.max_seq_len, self.dtype, self.device)
-        self._scratch_slot = config.max_batch_size
         self._free_kv = deque(range(config.max_batch_size))
         self.rope_cos, self.rope_sin = rope_tables(mc, config.max_seq_len, self.dtype, self.device)
         self.adapters = LoRAManager(
@@ -113,21 +104,15 @@ class Engine:
         self._merger = build_merger(self.model, config.merge_lone_adapter,
                                     self.weights_packed and self.dtype == torch.float32,
                                     self.adapters.slot_generation, config.merge_after_steps)
-        max_tokens = config.max_num_batched_tokens + 1
-        self._arange = torch.arange(max(config.max_seq_len, max_tokens), device=self.device)
-        # One metadata buffer per step; on CUDA filled from a pinned host copy with one non-blocking copy.
-        rows = config.max_batch_size + 2
-        # Per token: ids, positions, slot_mapping, out_idx, weight_indices; per sequence: decode index, position
-        # and KV slot, prefill KV slot, sampled row; per prefill row: token index and position of each column.
-        capacity = 5 * max_tokens + 5 * rows + 2 * rows * max_tokens + 64
-        self._meta_host = torch.zeros(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._meta_dev = self._meta_host if self.device.type == "cpu" else torch.zeros_like(self._meta_host, device=self.device)
-        self._meta_np = self._meta_host.numpy()
+        self.batch_init = BatchInit(config, self.device)
         self._rng = random.Random(config.seed)
         self._compiled = config.compile
         self._warmed_up = False
         if self._compiled:
             compile_policy.compile_model(self.model, self.inductor_cache_dir, config.precompile)
+        # Decode steps replay CUDA graphs where the step is compiled (eager LoRA reads slots on the host).
+        self._graphs = (DecodeGraphs(config.max_batch_size, config.max_seq_len, self.device)
+                        if config.cuda_graphs and self._compiled and self.device.type == "cuda" else None)
 
     @property
     def weights_packed(self) -> bool:
@@ -181,120 +166,37 @@ class Engine:
         seq.lora_slot = 0
 
     # --- one step -----------------------------------------------------------------------------------
-    def _plan(self, seqs: SequenceLike[Sequence]) -> tuple[list[_Planned], list[_Planned]]:
-        """Split the step's token budget: every one-token sequence first (grouped by LoRA slot), then prefill chunks
-        in order."""
-        budget = self.config.max_num_batched_tokens
-        single, chunks = [], []
-        for seq in seqs:
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            assert seq.kv_slot is not None and remaining >= 1 and not seq.is_finished, "sequence not runnable"
-            if remaining == 1:
-                single.append(_Planned(seq, seq.num_computed_tokens, 1))
-                budget -= 1
-        for seq in seqs:
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining == 1 or budget <= 0:
-                continue
-            n = min(remaining, budget)
-            budget -= n
-            (single if n == 1 else chunks).append(_Planned(seq, seq.num_computed_tokens, n))
-        # One adapter's tokens side by side: the LoRA kernels then read a slot's weights from memory once and from
-        # cache for its next tokens (batch 32, 8 adapters: 3-10 % less per step than interleaved;
-        # python -m benchmarks.lora_layer --engine).
-        single.sort(key=lambda p: p.seq.lora_slot)
-        return single, chunks
+    def _forward_batch(self, inputs: StepInputs) -> ForwardBatch:
+        pos = inputs.positions  # rotary tables gathered by position, on the device
+        return ForwardBatch(cos=self.rope_cos[pos], sin=self.rope_sin[pos], attn=inputs.attn, lora=inputs.lora)
 
-    def _build_batch(self, single: list[_Planned], chunks: list[_Planned], merged: bool = False):
-        """Batch init: pack all per-step metadata into one buffer, one copy to the device, then views."""
-        max_len = self.config.max_seq_len
-        scratch = self._scratch_slot * max_len  # where padding tokens write their K/V
-        n_single = len(single)
-        n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
-        dummy = n_tokens - 1
-        # Each token indexes the layers' stacked LoRA weights by its slot (0, the base model: zero rows).
-        lora_slots = {p.seq.lora_slot for p in (*single, *chunks)}
+    def _hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward up to the last hidden states, on device tensors only: what a CUDA graph records."""
+        return self.model.hidden_states(inputs.input_ids, self._forward_batch(inputs))
 
-        input_ids, positions, slot_mapping, lora_col = [], [], [], []
-        for p in (*single, *chunks):
-            kv = p.seq.kv_slot * max_len
-            input_ids += p.seq.tokens(p.start, p.start + p.length)
-            positions += range(p.start, p.start + p.length)
-            slot_mapping += range(kv + p.start, kv + p.start + p.length)
-            lora_col += [p.seq.lora_slot] * p.length
-        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(0)
-
-        dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
-        dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)
-        dec_kv = [p.seq.kv_slot for p in single] + [self._scratch_slot] * max(0, 2 - n_single)
-        width = max([2] + [p.length for p in chunks])
-        n_rows = max(2, len(chunks))
-        pre_idx, pre_pos, pre_kv, out_idx = [], [], [], list(range(n_single))
-        offset = n_single
-        for row in range(n_rows):
-            if row < len(chunks):
-                p = chunks[row]
-                pre_idx += list(range(offset, offset + p.length)) + [dummy] * (width - p.length)
-                pre_pos += list(range(p.start, p.start + p.length)) + [0] * (width - p.length)
-                pre_kv.append(p.seq.kv_slot)
-                out_idx += range(len(dec_idx) + row * width, len(dec_idx) + row * width + p.length)
-                offset += p.length
-            else:
-                pre_idx += [dummy] * width
-                pre_pos += [0] * width
-                pre_kv.append(self._scratch_slot)
-        out_idx.append(0)
-        weight_indices = lora_col if lora_slots != {0} and not merged else []  # merged: no LoRA work
-        logits_idx, sampled = [], []
-        flat = 0
-        for p in (*single, *chunks):
-            flat += p.length
-            if p.samples:
-                logits_idx.append(flat - 1)
-                sampled.append(p.seq)
-
-        columns = {  # each filled into the buffer in turn, then read back as a view by its name
-            "input_ids": input_ids, "positions": positions, "slot_mapping": slot_mapping, "decode_token_idx": dec_idx,
-            "decode_q_pos": dec_pos, "decode_kv_slots": dec_kv, "prefill_token_idx": pre_idx, "prefill_q_pos": pre_pos,
-            "prefill_kv_slots": pre_kv, "out_idx": out_idx, "weight_indices": weight_indices, "logits_idx": logits_idx,
-        }
-        total = sum(len(c) for c in columns.values())
-        if total > self._meta_np.shape[0]:
-            raise RuntimeError(f"step metadata needs {total} entries, buffer holds {self._meta_np.shape[0]}")
-        start = 0
-        for c in columns.values():
-            self._meta_np[start:start + len(c)] = c
-            start += len(c)
-        buf = self._meta_dev
-        if buf is not self._meta_host:
-            buf[:total].copy_(self._meta_host[:total], non_blocking=True)  # the step's one host-to-device copy
-        v, start = {}, 0
-        for name, c in columns.items():
-            v[name] = buf[start:start + len(c)]
-            start += len(c)
-        attn = AttentionMetadata(
-            slot_mapping=v["slot_mapping"],
-            decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"],
-            decode_kv_slots=v["decode_kv_slots"], decode_key_pos=self._arange[: max(2, max(dec_pos) + 1)],
-            prefill_token_idx=v["prefill_token_idx"].view(n_rows, width),
-            prefill_q_pos=v["prefill_q_pos"].view(n_rows, width),
-            prefill_kv_slots=v["prefill_kv_slots"], prefill_key_pos=self._arange[: max(2, max(pre_pos) + 1)],
-            out_idx=v["out_idx"],
-        )
-        lora = LoRABatch(weight_indices=v["weight_indices"] if weight_indices else None)
-        fb = ForwardBatch(cos=self.rope_cos[v["positions"]], sin=self.rope_sin[v["positions"]], attn=attn, lora=lora)
-        return v["input_ids"], fb, v["logits_idx"], sampled, len(lora_slots - {0})
+    def _graph_shape(self, single: list[Planned], chunks: list[Planned]) -> GraphShape | None:
+        """The CUDA graph shape of this step, or None where it runs without one (prefill, mixed, before warm-up)."""
+        if self._graphs is None or chunks or not self._warmed_up:
+            return None
+        return self._graphs.shape(len(single), max(p.start for p in single) + 1)
 
     @torch.inference_mode()
     def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
         """Run one forward over `seqs` and give each sequence that completed its tokens one new token."""
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        single, chunks = self._plan(seqs)
+        single, chunks = self.batch_init.plan(seqs)
         merged, merge_s = self._select_weights(single, chunks)
-        input_ids, fb, logits_idx, sampled, n_adapters = self._build_batch(single, chunks, merged)
+        graph = self._graph_shape(single, chunks)
+        inputs = self.batch_init.build(single, chunks, merged, graph)
+        sampled = inputs.sampled
         t1 = time.perf_counter()
         with compile_policy.steady_state(self._compiled and self._warmed_up):
-            logits = self.model(input_ids, fb, logits_idx)
+            if graph is None:
+                h = self._hidden_states(inputs)
+            else:
+                h = self._graphs.run(inputs.lora.weight_indices is not None, graph, inputs.addresses(),
+                                     lambda: self._hidden_states(inputs))
+            logits = self.model.logits(h, inputs.logits_idx)
         t2 = time.perf_counter()
         result = sample(logits, sampled) if sampled else None
         for p in (*single, *chunks):
@@ -316,11 +218,12 @@ class Engine:
         return StepOutput(
             seq_ids=[sampled[i].seq_id for i in ok], token_ids=[token_ids[i] for i in ok],
             logits=logits if return_logits else None,
-            num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=n_adapters, kind=kind, merged=merged,
+            num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=inputs.num_adapters, kind=kind,
+            merged=merged, cuda_graph=graph is not None,
             start_ns=start_ns, batch_init_s=t1 - t0 - merge_s, merge_s=merge_s, forward_s=t2 - t1, sample_s=t3 - t2,
         )
 
-    def _select_weights(self, single: list[_Planned], chunks: list[_Planned]) -> tuple[bool, float]:
+    def _select_weights(self, single: list[Planned], chunks: list[Planned]) -> tuple[bool, float]:
         """Whether the step runs on its lone adapter merged into the weights, and the seconds merging took."""
         if self._merger is None:
             return False, 0.0
@@ -353,7 +256,7 @@ class Engine:
                 seqs = []
                 for i, (n, slot) in enumerate(zip(lengths, slots)):
                     seq = Sequence(-1 - i, list(range(1, n + 1)), SamplingParams(max_new_tokens=1))
-                    seq.kv_slot, seq.lora_slot = self._scratch_slot, slot
+                    seq.kv_slot, seq.lora_slot = self.batch_init.scratch_slot, slot
                     seqs.append(seq)
                 self.step(seqs)
         self._warmed_up = True

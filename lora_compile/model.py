@@ -228,11 +228,16 @@ class CausalLM(nn.Module):
     def run_layers(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return layer_stack(self, h, *fb.flat())
 
-    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        h = self._run_layers(h, fb)
+    def hidden_states(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Every token's last hidden state: the part of a step a CUDA graph replays (cuda_graphs)."""
+        return self._run_layers(self.embed_tokens(input_ids), fb)
+
+    def logits(self, h: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor:
         # Only the rows that are sampled go through the (large) vocabulary projection.
         return linear(self.norm(h[logits_idx]), self.lm_head, self.lm_head_packed).float()
+
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, fb), logits_idx)
 
     @torch.no_grad()
     def prepack_weights(self) -> None:

@@ -71,6 +71,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-precompile", action="store_true",
                    help="do not save or load the compiled layer stack: torch.compile traces it at every start "
                         "(slower starts: about twice as long on 2 CPU cores)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: launch every decode step's kernels instead of replaying CUDA graphs (captured per "
+                        "batch and context-length bucket on first use)")
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
                         "memory; slower decode)")
@@ -206,7 +209,8 @@ def serve_main(argv: list[str] | None = None) -> int:
             model=model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
             max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
-            precompile=not args.no_precompile, prepack_weights=not args.no_prepack_weights, adapter_roots=roots,
+            precompile=not args.no_precompile, cuda_graphs=not args.no_cuda_graphs,
+            prepack_weights=not args.no_prepack_weights, adapter_roots=roots,
             max_cpu_lora_bytes=args.max_cpu_lora_bytes, adapter_dirs=tuple(args.adapter_dir),
             adapter_loader_threads=args.adapter_loader_threads,
             merge_lone_adapter=args.merge_lone_adapter, merge_after_steps=args.merge_after_steps,

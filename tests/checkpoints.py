@@ -114,9 +114,11 @@ def make_peft_adapter(base_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     return out
 
 
-def load_reference(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None = None) -> torch.nn.Module:
-    """transformers (+ peft) in float32 with eager attention: the numerics the engine is compared with."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+def load_reference(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None = None,
+                   dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """transformers (+ peft) with eager attention, float32 on the CPU unless told: the numerics the engine is
+    compared with."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
     return model.eval()
@@ -124,17 +126,19 @@ def load_reference(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike 
 
 @torch.no_grad()
 def reference_greedy(model_dir: str | os.PathLike, prompt_ids: Sequence[int], max_new_tokens: int,
-                     adapter_dir: str | os.PathLike | None = None) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens (exactly max_new_tokens: EOS does not stop) and the raw logits of each step, (steps, vocab)."""
-    model = load_reference(model_dir, adapter_dir)
-    ids = torch.tensor([list(prompt_ids)])
+                     adapter_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+                     device: str = "cpu") -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens (exactly max_new_tokens: EOS does not stop) and the raw logits of each step, (steps, vocab),
+    on the CPU."""
+    model = load_reference(model_dir, adapter_dir, dtype, device)
+    ids = torch.tensor([list(prompt_ids)], device=device)
     # eos_token_id=None must be a keyword: a GenerationConfig(eos_token_id=None) is merged with the model's
     # generation_config.json and still stops at EOS. min_new_tokens would instead mask EOS in the scores.
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     assert len(tokens) == max_new_tokens, f"generate stopped early: {len(tokens)} of {max_new_tokens} tokens"
-    return tokens, torch.cat(out.logits, dim=0).float()
+    return tokens, torch.cat(out.logits, dim=0).float().cpu()
 
 
 def write_chat_template(model_dir: str | os.PathLike, template: str) -> None:

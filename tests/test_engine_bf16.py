@@ -9,28 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile import config as config_module
 from lora_compile.config import resolve_dtype
 from lora_compile.packed_gemm import native_bf16
+from tests.checkpoints import reference_greedy
 from tests.conftest import ENGINE_LIMITS
 
 AGREE = 8
 PROMPT = [3, 17, 29, 5, 44, 90, 12]
-
-
-@torch.no_grad()
-def _reference_bf16(model_dir, adapter_dir=None) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    ids = torch.tensor([PROMPT])
-    out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=AGREE,
-                                do_sample=False, eos_token_id=None)
-    return out[0, len(PROMPT):].tolist()
 
 
 @pytest.mark.parametrize("adapter", [None, "all4"])
@@ -46,7 +34,8 @@ def test_bf16_greedy_agrees_with_transformers_bf16(models, adapters, adapter):
     # KV cache and the LoRA slots (stacked A, B) hold bfloat16, the adapter's float32 files converted on load.
     stored = [attn.k_cache, attn.v_cache, attn.qkv_proj.lora_a_stack, attn.qkv_proj.lora_b]
     assert [t.dtype for t in stored] == [torch.bfloat16] * len(stored)
-    ref = _reference_bf16(models["llama"], adapters["llama"][adapter] if adapter else None)
+    ref, _ = reference_greedy(models["llama"], PROMPT, AGREE, adapters["llama"][adapter] if adapter else None,
+                              torch.bfloat16)
     assert len(set(ref)) >= AGREE // 2, f"degenerate reference {ref}"
     assert ours[0] == ref
 

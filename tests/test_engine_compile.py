@@ -61,8 +61,8 @@ def test_recompile_would_be_caught(compiled_engines, bad):
     assert engine.try_admit(seq)
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
-            single, chunks = engine._plan([seq])
-            _, fb, *_ = engine._build_batch(single, chunks)
+            single, chunks = engine.batch_init.plan([seq])
+            fb = engine._forward_batch(engine.batch_init.build(single, chunks))
             rows, hidden = fb.cos.shape[0], engine.model_config.hidden_size
             h = (torch.zeros(rows, hidden, dtype=torch.float64) if bad == "dtype"
                  else torch.zeros(rows + 1, hidden, dtype=engine.dtype))
@@ -81,7 +81,7 @@ def test_a_second_start_loads_the_saved_stack(compiled_engines, models, adapters
     seq = Sequence(1, [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert second.try_admit(seq)
     try:  # the loaded stack keeps its shape guards: a step with one row more than its metadata fails
-        _, fb, *_ = second._build_batch(*second._plan([seq]))
+        fb = second._forward_batch(second.batch_init.build(*second.batch_init.plan([seq])))
         with pytest.raises(RecompileError, match="would recompile"):
             h = torch.zeros(fb.cos.shape[0] + 1, second.model_config.hidden_size, dtype=second.dtype)
             second.model._run_layers(h, fb)

@@ -143,7 +143,7 @@ def _batch_init_ops(engine) -> list[str]:
     seqs[3].num_computed_tokens = 0
     try:
         with _CountOps() as mode:
-            engine._build_batch(*engine._plan(seqs))
+            engine.batch_init.build(*engine.batch_init.plan(seqs))
         return mode.ops
     finally:
         for seq in seqs:
@@ -179,7 +179,7 @@ def test_one_adapters_decode_tokens_run_side_by_side(models, adapters):
     assert all(engine.try_admit(s) for s in seqs)
     while any(s.num_computed_tokens < len(s.prompt_ids) for s in seqs):  # the prompts, chunked by the budget
         engine.step(seqs)
-    single, chunks = engine._plan(seqs)
+    single, chunks = engine.batch_init.plan(seqs)
     slots = [p.seq.lora_slot for p in single]
     assert not chunks and len(slots) == len(order) and slots == sorted(slots)
     assert [s.lora_slot for s in seqs] != sorted(s.lora_slot for s in seqs)  # the order was the step's doing

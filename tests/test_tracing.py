@@ -169,6 +169,8 @@ def test_generate_span_tree(stack: Stack):
         sa = step.attributes
         assert sa["lora_serve.step.batch_size"] >= 1 and sa["lora_serve.step.num_tokens"] >= 1
         assert sa["lora_serve.step.num_adapters"] >= 1 and sa["lora_serve.step.kind"] in ("prefill", "decode", "mixed")
+        # decode steps replay CUDA graphs on a GPU only
+        assert sa["lora_serve.step.cuda_graph"] is (engine.device.type == "cuda" and sa["lora_serve.step.kind"] == "decode")
         phases = children(spans, step)
         init, forward, sample = phases["lora.batch_init"], phases["model.forward"], phases["sample"]
         before_forward = init

@@ -313,6 +313,7 @@ class TelemetryObserver:
             "lora_serve.step.num_adapters": step.num_adapters,
             "lora_serve.step.num_sampled": len(step.seq_ids),
             "lora_serve.step.lora_merged": step.merged,
+            "lora_serve.step.cuda_graph": step.cuda_graph,
         })
         if span.is_recording():
             ctx = trace.set_span_in_context(span)

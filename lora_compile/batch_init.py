@@ -1,0 +1,245 @@
+"""Batch init: which tokens a step computes, and its metadata in one preallocated buffer, copied to the device once.
+
+Every per-step tensor the layers read (AttentionMetadata, LoRABatch, token ids, positions) is a view into one
+int64 buffer: filled on the host (pinned on CUDA), copied with one non-blocking copy, then sliced. Nothing here
+builds a tensor from a Python list on the device, and nothing reads the device back.
+
+Decode-only steps, the common case, take a vectorised path whose layout depends only on the padded batch size and
+whether adapters are present: its views are cached per layout, and a decode CUDA graph finds its inputs at the
+same addresses every time (cuda_graphs).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceLike
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import EngineConfig
+from .cuda_graphs import GraphShape
+from .forward_batch import AttentionMetadata, LoRABatch
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class Planned:
+    seq: Sequence
+    start: int  # first position computed this step
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs (views into the metadata buffer) and the sequences it samples."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    lora: LoRABatch
+    logits_idx: torch.Tensor
+    sampled: list[Sequence]
+    num_adapters: int  # distinct adapters in the step
+
+    def addresses(self) -> tuple[int, ...]:
+        """Where every input a decode graph reads lives: equal between steps of one graph shape."""
+        tensors = (self.input_ids, self.positions, *vars(self.attn).values(), self.lora.weight_indices)
+        return tuple(0 if t is None else t.data_ptr() for t in tensors)
+
+
+def _lora_slot(p: Planned) -> int:
+    return p.seq.lora_slot
+
+
+# The buffer's columns, in order; each step fills them back to back and reads each back as a view by name.
+COLUMNS = ("input_ids", "positions", "slot_mapping", "decode_token_idx", "decode_q_pos", "decode_kv_slots",
+           "prefill_token_idx", "prefill_q_pos", "prefill_kv_slots", "out_idx", "weight_indices", "logits_idx")
+
+
+class BatchInit:
+    def __init__(self, config: EngineConfig, device: torch.device):
+        self.max_len = config.max_seq_len
+        self.budget = config.max_num_batched_tokens
+        self.scratch_slot = config.max_batch_size  # the KV slot that absorbs padding tokens' writes
+        max_tokens = config.max_num_batched_tokens + 1
+        self.arange = torch.arange(max(config.max_seq_len, max_tokens), device=device)
+        rows = config.max_batch_size + 2
+        # Per token: ids, positions, slot_mapping, out_idx, weight_indices; per sequence: decode index, position
+        # and KV slot, prefill KV slot, sampled row; per prefill row: token index and position of each column.
+        capacity = 5 * max_tokens + 5 * rows + 2 * rows * max_tokens + 64
+        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device_buf = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        self.np = self.host.numpy()
+        self._decode_views: dict[tuple[int, bool], tuple[torch.Tensor, ...]] = {}
+
+    def plan(self, seqs: SequenceLike[Sequence]) -> tuple[list[Planned], list[Planned]]:
+        """Split the step's token budget: every one-token sequence first (grouped by LoRA slot), then prefill chunks
+        in order."""
+        single, rest = [], []
+        for seq in seqs:  # one pass: each sequence's count read once (a decode step's whole plan is this loop)
+            computed = seq.num_computed_tokens
+            remaining = len(seq.prompt_ids) + len(seq.output_ids) - computed
+            assert seq.kv_slot is not None and remaining >= 1 and seq.finish_reason is None, "sequence not runnable"
+            if remaining == 1:
+                single.append(Planned(seq, computed, 1))
+            else:
+                rest.append((seq, computed, remaining))
+        budget = self.budget - len(single)
+        chunks = []
+        for seq, computed, remaining in rest:
+            if budget <= 0:
+                break
+            n = min(remaining, budget)
+            budget -= n
+            (single if n == 1 else chunks).append(Planned(seq, computed, n))
+        # One adapter's tokens side by side: the LoRA kernels then read a slot's weights from memory once and from
+        # cache for its next tokens (batch 32, 8 adapters: 3-10 % less per step than interleaved;
+        # python -m benchmarks.lora_layer --engine).
+        single.sort(key=_lora_slot)
+        return single, chunks
+
+    def build(self, single: list[Planned], chunks: list[Planned], merged: bool = False,
+              graph: GraphShape | None = None) -> StepInputs:
+        """The step's inputs. `merged`: the step runs on its adapter merged into the weights (no LoRA work).
+        `graph`: a decode step padded to a CUDA graph's shape (cuda_graphs)."""
+        if single and not chunks:
+            return self._build_decode(single, merged, graph)
+        assert graph is None, "only decode steps are padded"
+        return self._build_general(single, chunks, merged)
+
+    def _check(self, total: int) -> None:
+        if total > self.np.shape[0]:
+            raise RuntimeError(f"step metadata needs {total} entries, buffer holds {self.np.shape[0]}")
+
+    def _copy(self, total: int) -> None:
+        if self.device_buf is not self.host:
+            self.device_buf[:total].copy_(self.host[:total], non_blocking=True)  # the step's one host-to-device copy
+
+    def _build_decode(self, single: list[Planned], merged: bool, graph: GraphShape | None) -> StepInputs:
+        """A decode-only step, laid out as _build_general lays it out, with whole-column numpy writes. Padding rows
+        (up to graph.rows) and the dummy token decode token 0 at position 0 into the scratch slot."""
+        n = len(single)
+        rows = graph.rows if graph is not None else n
+        t, n_dec = rows + 1, max(2, rows)  # tokens (+ the dummy), decode rows (>= 2)
+        seqs = [p.seq for p in single]
+        pos = np.fromiter((p.start for p in single), np.int64, n)
+        kv = np.fromiter((s.kv_slot for s in seqs), np.int64, n)
+        slots = np.fromiter((s.lora_slot for s in seqs), np.int64, n)
+        ids = np.fromiter((s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs), np.int64, n)
+        adapters = set(slots.tolist()) - {0}
+        lora = bool(adapters) and not merged
+        self._check(6 * t + 3 * n_dec + 10 + n)
+        b, scratch = self.np, self.scratch_slot
+        # input_ids, positions, slot_mapping: the real tokens, then padding and the dummy.
+        b[0:n], b[n:t] = ids, 0
+        b[t:t + n], b[t + n:2 * t] = pos, 0
+        b[2 * t:2 * t + n], b[2 * t + n:3 * t] = kv * self.max_len + pos, scratch * self.max_len
+        o = 3 * t
+        b[o:o + n_dec] = np.arange(n_dec)  # decode_token_idx (with one row, its second is the dummy: index 1)
+        b[o + n_dec:o + n_dec + n], b[o + n_dec + n:o + 2 * n_dec] = pos, 0
+        b[o + 2 * n_dec:o + 2 * n_dec + n], b[o + 2 * n_dec + n:o + 3 * n_dec] = kv, scratch
+        o += 3 * n_dec
+        b[o:o + 4], b[o + 4:o + 8], b[o + 8:o + 10] = rows, 0, scratch  # an empty 2x2 prefill group: the dummy
+        o += 10
+        b[o:o + rows], b[o + rows] = np.arange(rows), 0  # out_idx
+        o += t
+        if lora:
+            b[o:o + n], b[o + n:o + t] = slots, 0  # weight_indices
+            o += t
+        b[o:o + n] = np.arange(n)  # logits_idx: every decoding sequence samples
+        self._copy(o + n)
+        views = self._decode_views.get((rows, lora))
+        if views is None:
+            views = self._decode_views[(rows, lora)] = self._views(
+                {"input_ids": t, "positions": t, "slot_mapping": t, "decode_token_idx": n_dec, "decode_q_pos": n_dec,
+                 "decode_kv_slots": n_dec, "prefill_token_idx": 4, "prefill_q_pos": 4, "prefill_kv_slots": 2,
+                 "out_idx": t, "weight_indices": t if lora else 0})
+        input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos, pre_kv, out_idx, wi = views
+        keys = graph.keys if graph is not None else max(2, int(pos.max()) + 1)
+        attn = AttentionMetadata(slot_mapping, dec_idx, dec_pos, dec_kv, self.arange[:keys], pre_idx, pre_pos,
+                                 pre_kv, self.arange[:2], out_idx)
+        return StepInputs(input_ids, positions, attn, LoRABatch(wi if lora else None),
+                          self.device_buf[o:o + n], seqs, len(adapters))
+
+    def _views(self, lengths: dict[str, int]) -> tuple[torch.Tensor, ...]:
+        views, start = [], 0
+        for name, length in lengths.items():
+            view = self.device_buf[start:start + length]
+            views.append(view.view(2, -1) if name in ("prefill_token_idx", "prefill_q_pos") else view)
+            start += length
+        return tuple(views)
+
+    def _build_general(self, single: list[Planned], chunks: list[Planned], merged: bool) -> StepInputs:
+        max_len = self.max_len
+        scratch = self.scratch_slot * max_len  # where padding tokens write their K/V
+        n_single = len(single)
+        n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
+        dummy = n_tokens - 1
+        # Each token indexes the layers' stacked LoRA weights by its slot (0, the base model: zero rows).
+        lora_slots = {p.seq.lora_slot for p in (*single, *chunks)}
+
+        input_ids, positions, slot_mapping, lora_col = [], [], [], []
+        for p in (*single, *chunks):
+            kv = p.seq.kv_slot * max_len
+            input_ids += p.seq.tokens(p.start, p.start + p.length)
+            positions += range(p.start, p.start + p.length)
+            slot_mapping += range(kv + p.start, kv + p.start + p.length)
+            lora_col += [p.seq.lora_slot] * p.length
+        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(0)
+
+        dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
+        dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)
+        dec_kv = [p.seq.kv_slot for p in single] + [self.scratch_slot] * max(0, 2 - n_single)
+        width = max([2] + [p.length for p in chunks])
+        n_rows = max(2, len(chunks))
+        pre_idx, pre_pos, pre_kv, out_idx = [], [], [], list(range(n_single))
+        offset = n_single
+        for row in range(n_rows):
+            if row < len(chunks):
+                p = chunks[row]
+                pre_idx += list(range(offset, offset + p.length)) + [dummy] * (width - p.length)
+                pre_pos += list(range(p.start, p.start + p.length)) + [0] * (width - p.length)
+                pre_kv.append(p.seq.kv_slot)
+                out_idx += range(len(dec_idx) + row * width, len(dec_idx) + row * width + p.length)
+                offset += p.length
+            else:
+                pre_idx += [dummy] * width
+                pre_pos += [0] * width
+                pre_kv.append(self.scratch_slot)
+        out_idx.append(0)
+        weight_indices = lora_col if lora_slots != {0} and not merged else []  # merged: no LoRA work
+        logits_idx, sampled = [], []
+        flat = 0
+        for p in (*single, *chunks):
+            flat += p.length
+            if p.samples:
+                logits_idx.append(flat - 1)
+                sampled.append(p.seq)
+
+        columns = dict(zip(COLUMNS, (input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos,
+                                     pre_kv, out_idx, weight_indices, logits_idx)))
+        total = sum(len(c) for c in columns.values())
+        self._check(total)
+        start = 0
+        for c in columns.values():
+            self.np[start:start + len(c)] = c
+            start += len(c)
+        self._copy(total)
+        v, start = {}, 0
+        for name, c in columns.items():
+            v[name] = self.device_buf[start:start + len(c)]
+            start += len(c)
+        attn = AttentionMetadata(
+            slot_mapping=v["slot_mapping"],
+            decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"],
+            decode_kv_slots=v["decode_kv_slots"], decode_key_pos=self.arange[: max(2, max(dec_pos) + 1)],
+            prefill_token_idx=v["prefill_token_idx"].view(n_rows, width),
+            prefill_q_pos=v["prefill_q_pos"].view(n_rows, width),
+            prefill_kv_slots=v["prefill_kv_slots"], prefill_key_pos=self.arange[: max(2, max(pre_pos) + 1)],
+            out_idx=v["out_idx"],
+        )
+        lora = LoRABatch(weight_indices=v["weight_indices"] if weight_indices else None)
+        return StepInputs(v["input_ids"], v["positions"], attn, lora, v["logits_idx"], sampled, len(lora_slots - {0}))

@@ -1,0 +1,314 @@
+"""The CUDA path: golden tokens against transformers + peft on the GPU, no recompile, no host synchronisation from
+batch init through the forward, one host-to-device copy per step, non-blocking adapter loads, and decode steps
+replayed from CUDA graphs. Every test that needs a GPU skips without one; the padded decode layout the graphs
+replay is also checked on the CPU (same engine code, the graph not recorded)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lora_compile import Engine, EngineConfig, SamplingParams, Sequence
+from lora_compile import engine as engine_module
+from lora_compile.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
+from tests.checkpoints import load_reference, make_peft_adapter, reference_greedy
+from tests.conftest import ADAPTER_SPECS, ENGINE_LIMITS, INDUCTOR_CACHE
+from tests.test_engine_golden import NEW_TOKENS, PROMPTS, run_joining
+from tests.test_lora import MIXED
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+JOIN_AT = [0, 0, 1, 2]
+AGREE_FIRST = 8       # bf16: the first tokens of every sequence equal transformers' in bf16
+AGREE_SHARE = 0.95    # bf16: top-1 agreement with transformers over all generated positions (teacher-forced)
+NEAR_TIE = 2 ** -7    # bf16 resolution relative to a logit (8 significant bits): closer top-2 logits are a tie
+
+
+def cuda_engine(model_dir, adapter_dirs, **overrides) -> Engine:
+    config = EngineConfig(model=str(model_dir), device="cuda", compile=True, inductor_cache_dir=INDUCTOR_CACHE,
+                          **(ENGINE_LIMITS | overrides))
+    engine = Engine(config)
+    for name, path in adapter_dirs.items():
+        engine.adapters.register(name, str(path))
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def cuda_engines(models, adapters):
+    cache: dict[tuple, Engine] = {}
+
+    def get(dtype: str = "float32", cuda_graphs: bool = True) -> Engine:
+        key = (dtype, cuda_graphs)
+        if key not in cache:
+            cache[key] = cuda_engine(models["llama"], adapters["llama"], dtype=dtype, cuda_graphs=cuda_graphs)
+        return cache[key]
+
+    return get
+
+
+def test_graph_buckets():
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert [key_bucket(n, 4096) for n in (1, 64, 65, 200, 256, 257, 700)] == [64, 64, 128, 256, 256, 512, 768]
+    assert key_bucket(300, 192) == 192  # never past max_seq_len
+
+
+@pytest.mark.slow
+def test_padded_decode_steps_give_the_same_tokens(compiled_engines):
+    """What a decode graph replays, run on the CPU: decode steps padded to a batch bucket and a key bucket (padding
+    rows in the scratch KV slot, never sampled) give exactly the unpadded steps' tokens and logits, and every padded
+    step of one shape reads its inputs from the same addresses (DecodeGraphs raises otherwise)."""
+    engine = compiled_engines("llama")
+    plain_tokens, plain_logits = run_joining(engine, PROMPTS, adapters=MIXED, join_at=JOIN_AT)
+    graphs = DecodeGraphs(engine.config.max_batch_size, engine.config.max_seq_len, engine.device, capture=False)
+    engine._graphs = graphs
+    try:
+        tokens, logits = run_joining(engine, PROMPTS, adapters=MIXED, join_at=JOIN_AT)
+    finally:
+        engine._graphs = None
+    assert tokens == plain_tokens
+    for ours, plain in zip(logits, plain_logits):
+        torch.testing.assert_close(ours, plain, atol=1e-3, rtol=1e-3)
+    assert graphs.replays > NEW_TOKENS // 2 and 2 <= graphs.num_graphs <= 2 * 4 * 3  # variants x rows x keys
+
+
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "no-graphs"])
+def test_cuda_float32_mixed_batch_matches_peft(cuda_engines, models, adapters, cuda_graphs):
+    """Compiled, float32, a batch mixing the base model and three adapters, sequences joining at different steps:
+    exactly transformers + peft's greedy tokens on the GPU, close logits."""
+    engine = cuda_engines("float32", cuda_graphs)
+    replays = engine._graphs.replays if cuda_graphs else 0
+    tokens, logits = run_joining(engine, PROMPTS, adapters=MIXED, join_at=JOIN_AT)
+    for i, (prompt, name) in enumerate(zip(PROMPTS, MIXED)):
+        adapter_dir = adapters["llama"][name] if name else None
+        ref_tokens, ref_logits = reference_greedy(models["llama"], prompt, NEW_TOKENS, adapter_dir, device="cuda")
+        assert len(set(ref_tokens)) > 4, "degenerate reference: the test would prove nothing"
+        assert tokens[i] == ref_tokens, f"sequence {i} (adapter {name}) differs from the reference"
+        torch.testing.assert_close(logits[i].cpu(), ref_logits, atol=2e-3, rtol=1e-3)
+    if cuda_graphs:
+        assert engine._graphs.replays - replays > NEW_TOKENS // 2, "decode steps did not replay graphs"
+    else:
+        assert engine._graphs is None
+
+
+def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> tuple[list[bool], list[float]]:
+    """For each of `tokens` (generated after `prompt`): whether it is the reference's top-1 given the same prefix,
+    within bf16 resolution (NEAR_TIE of the top logit: a bf16 computation cannot order two logits closer than that),
+    and the reference's margin of its top-1 over it."""
+    ids = torch.tensor([prompt + tokens], device="cuda")
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    top = logits.max(-1).values
+    ours = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+    margin = top - ours
+    return (margin <= NEAR_TIE * top.abs()).tolist(), margin.tolist()
+
+
+@needs_cuda
+def test_cuda_bf16_agrees_with_transformers_bf16(cuda_engines, models, adapters):
+    """bfloat16 (weights, LoRA slots, KV cache), a mixed batch, against transformers + peft in bf16 given the same
+    prefixes: each sequence's first AGREE_FIRST tokens are the reference's top-1, and so are at least AGREE_SHARE
+    of all positions. In bf16 the two round in different orders (fused QKV, LoRA scaling folded into B, float32
+    accumulation inside fused kernels), so a position where the reference's own top two are within bf16
+    resolution (NEAR_TIE) counts either way; the margins are printed."""
+    engine = cuda_engines("bfloat16")
+    assert engine.model.layers[0].self_attn.k_cache.dtype == torch.bfloat16
+    tokens, _ = run_joining(engine, PROMPTS, adapters=MIXED, join_at=JOIN_AT)
+    agree = []
+    for prompt, name, ours in zip(PROMPTS, MIXED, tokens):
+        adapter_dir = adapters["llama"][name] if name else None
+        ref, _ = reference_greedy(models["llama"], prompt, AGREE_FIRST, adapter_dir, torch.bfloat16, "cuda")
+        assert len(set(ref)) >= AGREE_FIRST // 2, f"degenerate reference {ref}"
+        ok, margin = _teacher_forced(load_reference(models["llama"], adapter_dir, torch.bfloat16, "cuda"), prompt, ours)
+        exact = sum(o == r for o, r in zip(ours, ref))
+        print(f"adapter {name}: first {AGREE_FIRST} equal to the reference's greedy run: {exact}/{AGREE_FIRST}; "
+              f"top-1 {sum(ok)}/{len(ok)}; margins where not top-1: {[round(m, 4) for m in margin if m > 0]}")
+        assert all(ok[:AGREE_FIRST]), f"adapter {name}: first tokens differ beyond a near-tie: {margin[:AGREE_FIRST]}"
+        agree += ok
+    assert sum(agree) / len(agree) >= AGREE_SHARE
+
+
+def _random_workload(engine: Engine, rng: random.Random, steps: int) -> set[int]:
+    """Random arrivals, prompt lengths, budgets and adapters (more adapters than slots: evictions); the batch
+    sizes seen."""
+    names = [None, *ADAPTER_SPECS, "extra"]
+    running: list[Sequence] = []
+    seen, next_id = set(), 0
+    for _ in range(steps):
+        while len(running) < engine.config.max_batch_size and rng.random() < 0.5:
+            prompt = [rng.randrange(1, 300) for _ in range(rng.choice([1, 2, rng.randrange(3, 60)]))]
+            seq = Sequence(next_id, prompt, SamplingParams(max_new_tokens=rng.randrange(1, 40), ignore_eos=True),
+                           rng.choice(names))
+            next_id += 1
+            if not engine.try_admit(seq):
+                break
+            running.append(seq)
+        if running:
+            engine.step(running)  # raises on any recompile: the engine is past warm-up
+            seen.add(len(running))
+            engine.release_finished(running)
+    for seq in running:
+        engine.release(seq)
+    return seen
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_cuda_random_workload_never_recompiles_or_recaptures_for_a_new_mix(models, adapters, tmp_path):
+    """Any batch size, prefill/decode mix and adapter mix, with adapters evicted and reloaded into slots: no
+    recompile (steps run under fail_on_recompile); decode graphs are captured per shape only, so a second pass
+    over other adapters in the same shapes captures nothing new."""
+    extra = make_peft_adapter(models["llama"], tmp_path / "extra", r=8, lora_alpha=16, seed=21,
+                              target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    engine = cuda_engine(models["llama"], adapters["llama"] | {"extra": extra}, dtype="bfloat16")
+    seen = _random_workload(engine, random.Random(0), 200)
+    engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))  # batch 1, graphs too
+    assert seen | {1} >= set(range(1, engine.config.max_batch_size + 1))
+    assert engine._graphs.replays > 50 and engine._graphs.num_graphs <= 2 * len(engine._graphs.batch_sizes) * 3
+    names = [*ADAPTER_SPECS, "extra"]  # four adapters, three slots: each mix below loads one into a slot
+
+    def run_mix(mix: list[str | None]) -> None:
+        run = [Sequence(i, [7, 8, 9, 10], SamplingParams(max_new_tokens=20, ignore_eos=True), n)
+               for i, n in enumerate(mix)]
+        assert all(engine.try_admit(s) for s in run)
+        while run:
+            engine.step(run)
+            engine.release_finished(run)
+
+    run_mix(names[:3])  # captures these shapes, if the random workload did not
+    before = engine._graphs.num_graphs
+    engine.adapters.take_events()
+    for mix in (names[1:], [names[3], names[0], None], [names[2], names[3], names[0]]):
+        run_mix(mix)
+    assert engine._graphs.num_graphs == before, "a new adapter mix or newly loaded adapter re-captured a graph"
+    assert sum(e.kind == "device_copy" for e in engine.adapters.take_events()) >= 2  # adapters were loaded
+    assert engine.num_free_kv_slots == engine.config.max_batch_size
+
+
+def _mixed_workload(engine: Engine) -> None:
+    """Decode, prefill and mixed steps, base model and adapters, at several batch sizes."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(5)]
+    names = [None, "qv8", "all4", None, "mlp16rs"]
+    engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True), adapters=names)
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), adapters=[None, None])
+
+
+@needs_cuda
+def test_cuda_no_host_sync_from_batch_init_through_forward(cuda_engines, monkeypatch):
+    """Under torch.cuda.set_sync_debug_mode("error") every synchronising CUDA call raises. Admission (adapter slot
+    loads included), batch init and the forward run in that mode; only sampling's one read of the tokens, at the
+    end of the step, runs outside it."""
+    engine = cuda_engines("bfloat16")
+    _mixed_workload(engine)  # captures this workload's graphs (a capture synchronises, once per shape)
+    real_sample = engine_module.sample
+    reads = []
+
+    def sample_outside_error_mode(logits, seqs):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            reads.append(len(seqs))
+            return real_sample(logits, seqs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(engine_module, "sample", sample_outside_error_mode)
+    captured = engine._graphs.num_graphs
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _mixed_workload(engine)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert reads and engine._graphs.num_graphs == captured
+
+
+def _htod_copies(prof) -> list[str]:
+    return [e.name for e in prof.events() if "Memcpy HtoD" in e.name]
+
+
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "no-graphs"])
+def test_cuda_one_host_to_device_copy_per_step(cuda_engines, cuda_graphs):
+    """Every step (decode, prefill, mixed; base model, one adapter, several) copies its metadata to the device
+    once, counted from the GPU's own memcpy records (torch.profiler); adapters are resident, so nothing else
+    copies."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = cuda_engines("float32", cuda_graphs)
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    mixes = [[None], ["qv8"], [None, "qv8", "all4", "mlp16rs", None, "qv8"], ["all4", "all4", None]]
+    counts, kinds = [], set()
+    for names in mixes:
+        engine.generate([PROMPTS[0]] * len(names), sp, adapters=names)  # warm: graphs, adapters resident
+        seqs = [Sequence(i, PROMPTS[i % 3], sp, n) for i, n in enumerate(names)]
+        for s in seqs:
+            assert engine.try_admit(s)
+        running = list(seqs)
+        while running:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = engine.step(running)
+                torch.cuda.synchronize()
+            counts.append(_htod_copies(prof))
+            kinds.add((out.kind, out.num_adapters > 0, out.cuda_graph))
+            engine.release_finished(running)
+    assert [len(c) for c in counts] == [1] * len(counts), counts
+    assert {k for k, _, _ in kinds} >= {"prefill", "decode"} and {a for _, a, _ in kinds} == {True, False}
+    assert any(g for _, _, g in kinds) == cuda_graphs
+
+
+@needs_cuda
+def test_cuda_adapter_loads_copy_from_pinned_memory_without_blocking(cuda_engines, models, adapters):
+    """An adapter read for the GPU sits in pinned host memory, and loading it into a slot while steps are queued
+    synchronises nothing (its copy runs on a side stream the next step waits for); its tokens then match peft."""
+    engine = cuda_engines("float32")
+    adapter = engine.adapters.read("pinned-check", str(adapters["llama"]["all4"]))
+    assert all(a.is_pinned() and b.is_pinned() for layer in adapter.weights for a, b in layer.values())
+    engine.adapters.register_loaded(adapter)
+    running = [Sequence(0, PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True))]
+    assert engine.try_admit(running[0])
+    engine.step(running)  # prefill; the next steps decode while the adapter loads
+    late = Sequence(1, PROMPTS[1], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), "pinned-check")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert engine.try_admit(late) and late.adapter_loaded  # copied into a slot now
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    running.append(late)
+    while running:
+        engine.step(running)
+        engine.release_finished(running)
+    ref, _ = reference_greedy(models["llama"], PROMPTS[1], NEW_TOKENS, adapters["llama"]["all4"], device="cuda")
+    assert late.output_ids == ref
+
+
+@pytest.mark.parametrize("names", [[None, None], ["qv8", None, "all4"], ["qv8"]], ids=["base", "mixed", "one"])
+def test_decode_path_lays_out_what_the_general_path_does(models, adapters, names):
+    """Decode-only steps fill the metadata buffer with whole-column writes (batch_init._build_decode); every input
+    holds what the general, list-built layout gives for the same step."""
+    from tests.conftest import build_engine
+
+    engine = build_engine(models["llama"], adapters["llama"], compile=False)
+    seqs = [Sequence(i, PROMPTS[i][:5] + [i + 1], SamplingParams(max_new_tokens=8, ignore_eos=True), n)
+            for i, n in enumerate(names)]
+    for s in seqs:
+        assert engine.try_admit(s)
+    try:
+        while any(s.num_computed_tokens < s.num_tokens - 1 for s in seqs):
+            engine.step(seqs)  # prefill (and maybe a decode): every sequence has one token left
+        single, chunks = engine.batch_init.plan(seqs)
+        assert not chunks
+        general = engine.batch_init._build_general(single, [], merged=False)
+        expected = [None if t is None else t.clone() for t in (general.input_ids, general.positions,
+                    *vars(general.attn).values(), general.lora.weight_indices, general.logits_idx)]
+        decode = engine.batch_init._build_decode(single, merged=False, graph=None)
+        got = (decode.input_ids, decode.positions, *vars(decode.attn).values(), decode.lora.weight_indices,
+               decode.logits_idx)
+        for e, g in zip(expected, got, strict=True):
+            assert (e is None) == (g is None)
+            if e is not None:
+                assert torch.equal(e, g)
+        assert decode.sampled == general.sampled and decode.num_adapters == general.num_adapters
+    finally:
+        for s in seqs:
+            engine.release(s)
