@@ -29,8 +29,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
 
 
 def native_bf16() -> bool:
-    """The CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX), so oneDNN runs bf16 GEMMs natively."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """The CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX), so oneDNN runs bf16 GEMMs natively. Asked of the
+    CPU's own flags: oneDNN's check (torch.ops.mkldnn._is_mkldnn_bf16_supported) is true on any AVX-512 CPU, where
+    it emulates bf16 (ideep's has_bf16_type_support: ISA >= avx512_core)."""
+    return torch.backends.mkldnn.is_available() and (torch.cpu._is_avx512_bf16_supported()
+                                                      or torch.cpu._is_amx_tile_supported())
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -9,11 +9,12 @@ import random
 import pytest
 import torch
 
-from lora_compile import Engine, EngineConfig, SamplingParams, Sequence
+from lora_compile import Engine, SamplingParams, Sequence
 from lora_compile import engine as engine_module
 from lora_compile.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
 from tests.checkpoints import load_reference, make_peft_adapter, reference_greedy
-from tests.conftest import ADAPTER_SPECS, ENGINE_LIMITS, INDUCTOR_CACHE
+from tests.conftest import ADAPTER_SPECS, build_engine
+from tests.test_engine_compile import random_workload
 from tests.test_engine_golden import NEW_TOKENS, PROMPTS, run_joining
 from tests.test_lora import MIXED
 
@@ -25,13 +26,7 @@ NEAR_TIE = 2 ** -7    # bf16 resolution relative to a logit (8 significant bits)
 
 
 def cuda_engine(model_dir, adapter_dirs, **overrides) -> Engine:
-    config = EngineConfig(model=str(model_dir), device="cuda", compile=True, inductor_cache_dir=INDUCTOR_CACHE,
-                          **(ENGINE_LIMITS | overrides))
-    engine = Engine(config)
-    for name, path in adapter_dirs.items():
-        engine.adapters.register(name, str(path))
-    engine.warmup()
-    return engine
+    return build_engine(model_dir, adapter_dirs, compile=True, device="cuda", **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -130,30 +125,6 @@ def test_cuda_bf16_agrees_with_transformers_bf16(cuda_engines, models, adapters)
     assert sum(agree) / len(agree) >= AGREE_SHARE
 
 
-def _random_workload(engine: Engine, rng: random.Random, steps: int) -> set[int]:
-    """Random arrivals, prompt lengths, budgets and adapters (more adapters than slots: evictions); the batch
-    sizes seen."""
-    names = [None, *ADAPTER_SPECS, "extra"]
-    running: list[Sequence] = []
-    seen, next_id = set(), 0
-    for _ in range(steps):
-        while len(running) < engine.config.max_batch_size and rng.random() < 0.5:
-            prompt = [rng.randrange(1, 300) for _ in range(rng.choice([1, 2, rng.randrange(3, 60)]))]
-            seq = Sequence(next_id, prompt, SamplingParams(max_new_tokens=rng.randrange(1, 40), ignore_eos=True),
-                           rng.choice(names))
-            next_id += 1
-            if not engine.try_admit(seq):
-                break
-            running.append(seq)
-        if running:
-            engine.step(running)  # raises on any recompile: the engine is past warm-up
-            seen.add(len(running))
-            engine.release_finished(running)
-    for seq in running:
-        engine.release(seq)
-    return seen
-
-
 @needs_cuda
 @pytest.mark.slow
 def test_cuda_random_workload_never_recompiles_or_recaptures_for_a_new_mix(models, adapters, tmp_path):
@@ -163,7 +134,7 @@ def test_cuda_random_workload_never_recompiles_or_recaptures_for_a_new_mix(model
     extra = make_peft_adapter(models["llama"], tmp_path / "extra", r=8, lora_alpha=16, seed=21,
                               target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     engine = cuda_engine(models["llama"], adapters["llama"] | {"extra": extra}, dtype="bfloat16")
-    seen = _random_workload(engine, random.Random(0), 200)
+    seen = random_workload(engine, random.Random(0), 200, [None, *ADAPTER_SPECS, "extra"], max_prompt=60, max_new=40)
     engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))  # batch 1, graphs too
     assert seen | {1} >= set(range(1, engine.config.max_batch_size + 1))
     assert engine._graphs.replays > 50 and engine._graphs.num_graphs <= 2 * len(engine._graphs.batch_sizes) * 3
@@ -286,8 +257,6 @@ def test_cuda_adapter_loads_copy_from_pinned_memory_without_blocking(cuda_engine
 def test_decode_path_lays_out_what_the_general_path_does(models, adapters, names):
     """Decode-only steps fill the metadata buffer with whole-column writes (batch_init._build_decode); every input
     holds what the general, list-built layout gives for the same step."""
-    from tests.conftest import build_engine
-
     engine = build_engine(models["llama"], adapters["llama"], compile=False)
     seqs = [Sequence(i, PROMPTS[i][:5] + [i + 1], SamplingParams(max_new_tokens=8, ignore_eos=True), n)
             for i, n in enumerate(names)]

@@ -51,3 +51,19 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch):
     assert resolve_dtype("auto", cpu) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float32", cpu) == torch.float32
+
+
+def test_native_bf16_follows_the_cpu_flags_not_onednn(monkeypatch):
+    """bf16 counts as native only with the instructions (avx512_bf16 or AMX), as /proc/cpuinfo lists them: oneDNN's
+    own check says yes on any AVX-512 CPU, where it would emulate bf16 slower than float32."""
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = set(cpuinfo.read_text().split())
+        assert native_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    assert not native_bf16()  # an AVX-512 CPU without bf16 instructions: oneDNN would say yes
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32

@@ -16,24 +16,16 @@ from tests.conftest import ADAPTER_SPECS, ENGINE_LIMITS, INDUCTOR_CACHE, build_e
 pytestmark = pytest.mark.slow
 
 
-def test_random_workload_never_recompiles(compiled_engines):
-    """Batch sizes 1..max, prompt lengths 1..100, prefill/decode mixes and any adapter mix, with adapters
-    evicted and reloaded (4 adapters, 3 slots): any recompile raises inside step()."""
-    engine = compiled_engines("llama")
-    rng = random.Random(0)
-    names = [None, *ADAPTER_SPECS]
-    max_batch = engine.config.max_batch_size
+def random_workload(engine: Engine, rng: random.Random, steps: int, names: list[str | None], max_prompt: int = 100,
+                    max_new: int = 12) -> set[int]:
+    """`steps` steps of random arrivals, prompt lengths, budgets and adapters (any recompile raises inside step(): the
+    engine is past warm-up); returns the batch sizes stepped. Releases everything it admitted."""
     running: list[Sequence] = []
-    next_id, steps, sizes_seen = 1000, 0, set()
-    torch._dynamo.utils.counters.clear()
-    # Start with every slot in use at once (max_loras_per_batch adapters in one step), then random traffic.
-    full = [Sequence(900 + i, [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True), n)
-            for i, n in enumerate(names[1:engine.config.max_loras_per_batch + 1])]
-    engine.generate([s.prompt_ids for s in full], full[0].sampling, adapters=[s.adapter for s in full])
-    while steps < 120:
-        while len(running) < max_batch and rng.random() < 0.5:
-            prompt = [rng.randrange(1, 300) for _ in range(rng.choice([1, 2, 3, rng.randrange(4, 100)]))]
-            seq = Sequence(next_id, prompt, SamplingParams(max_new_tokens=rng.randrange(1, 12), ignore_eos=True),
+    next_id, done, sizes_seen = 1000, 0, set()
+    while done < steps:
+        while len(running) < engine.config.max_batch_size and rng.random() < 0.5:
+            prompt = [rng.randrange(1, 300) for _ in range(rng.choice([1, 2, 3, rng.randrange(4, max_prompt)]))]
+            seq = Sequence(next_id, prompt, SamplingParams(max_new_tokens=rng.randrange(1, max_new), ignore_eos=True),
                            rng.choice(names))
             next_id += 1
             if not engine.try_admit(seq):
@@ -41,12 +33,27 @@ def test_random_workload_never_recompiles(compiled_engines):
             running.append(seq)
         if not running:
             continue
-        engine.step(running)  # raises on any recompile: the engine is past warm-up
+        engine.step(running)
         sizes_seen.add(len(running))
-        steps += 1
+        done += 1
         engine.release_finished(running)
     for seq in running:
         engine.release(seq)
+    return sizes_seen
+
+
+def test_random_workload_never_recompiles(compiled_engines):
+    """Batch sizes 1..max, prompt lengths 1..100, prefill/decode mixes and any adapter mix, with adapters
+    evicted and reloaded (4 adapters, 3 slots): any recompile raises inside step()."""
+    engine = compiled_engines("llama")
+    names = [None, *ADAPTER_SPECS]
+    max_batch = engine.config.max_batch_size
+    torch._dynamo.utils.counters.clear()
+    # Start with every slot in use at once (max_loras_per_batch adapters in one step), then random traffic.
+    full = [Sequence(900 + i, [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True), n)
+            for i, n in enumerate(names[1:engine.config.max_loras_per_batch + 1])]
+    engine.generate([s.prompt_ids for s in full], full[0].sampling, adapters=[s.adapter for s in full])
+    sizes_seen = random_workload(engine, random.Random(0), 120, names)
     assert sizes_seen >= set(range(1, max_batch + 1)), f"workload did not cover every batch size: {sizes_seen}"
     assert engine.num_free_kv_slots == max_batch
     assert engine.adapters.num_free_slots == engine.config.max_loras_per_batch
