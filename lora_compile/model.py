@@ -52,8 +52,11 @@ def attend(
     key_pos: torch.Tensor,      # (S,) keys 0..S-1 are read
     scale: float,
     sliding_window: int | None,
+    float32: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's query block over its cached keys; returns (B*L, H*D)."""
+    """Causal attention of each sequence's query block over its cached keys; returns (B*L, H*D). `float32`: both
+    products in float32 whatever the cache holds."""
+    work = torch.float32 if float32 else q.dtype
     batch, length = token_idx.shape
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
@@ -61,20 +64,20 @@ def attend(
     s = key_pos.shape[0]
     # Grouped-query attention without repeating K/V: query heads of one KV head form one block.
     qb = q[token_idx.reshape(-1)].view(batch, length, n_kv, group, head_dim)
-    qb = qb.permute(0, 2, 1, 3, 4).reshape(batch, n_kv, length * group, head_dim)
-    k = k_cache[kv_slots, :s].permute(0, 2, 3, 1)  # (B, Hkv, D, S)
+    qb = qb.permute(0, 2, 1, 3, 4).reshape(batch, n_kv, length * group, head_dim).to(work)
+    k = k_cache[kv_slots, :s].permute(0, 2, 3, 1).to(work)  # (B, Hkv, D, S)
     # Keys past a sequence's last query were written by an earlier occupant of its KV slot (or by padding): their
     # probability is 0, but 0 x NaN is NaN, so stale values are replaced, never multiplied (isolation).
     stale = key_pos[None, :] > q_pos.amax(dim=1)[:, None]  # (B, S)
-    v = v_cache[kv_slots, :s].masked_fill(stale[:, :, None, None], 0).permute(0, 2, 1, 3)  # (B, Hkv, S, D)
+    v = v_cache[kv_slots, :s].masked_fill(stale[:, :, None, None], 0).permute(0, 2, 1, 3).to(work)  # (B, Hkv, S, D)
     scores = (torch.matmul(qb, k) * scale).float().view(batch, n_kv, length, group, s)
     visible = key_pos[None, None, :] <= q_pos[:, :, None]  # (B, L, S)
     if sliding_window is not None:
         visible = visible & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
     scores = scores.masked_fill(~visible[:, None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, n_kv, length * group, s)
+    probs = torch.softmax(scores, dim=-1).to(work).view(batch, n_kv, length * group, s)
     out = torch.matmul(probs, v).view(batch, n_kv, length, group, head_dim)
-    return out.permute(0, 2, 1, 3, 4).reshape(batch * length, n_heads * head_dim)
+    return out.permute(0, 2, 1, 3, 4).reshape(batch * length, n_heads * head_dim).to(q.dtype)
 
 
 def attend_decode(
@@ -152,6 +155,11 @@ class Attention(nn.Module):
         prefill = attend(
             q, self.k_cache, self.v_cache, md.prefill_token_idx, md.prefill_q_pos,
             md.prefill_kv_slots, md.prefill_key_pos, self.scale, self.sliding_window,
+            # Compiled, on CPU: float32 products. In bf16 oneDNN takes every bmm above 4096 multiply-adds and costs
+            # ~25 us a call, and a decode step's empty prefill group (2 rows of 2, padded) is just above: 60 calls,
+            # ~1.4 ms of a 25 ms batch-8 bf16 step (5 % less with float32; prefill steps within noise). On CUDA
+            # the bf16 products stay (tensor cores).
+            float32=fb.compiled and q.device.type == "cpu",
         )
         out = torch.cat([decode, prefill], dim=0)[md.out_idx]
         return self.o_proj(out, fb.lora, fb.compiled)
