@@ -73,7 +73,7 @@ class BatchInit:
         self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.device_buf = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
         self.np = self.host.numpy()
-        self._decode_views: dict[tuple[int, bool], tuple[torch.Tensor, ...]] = {}
+        self._decode_views: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}
 
     def plan(self, seqs: SequenceLike[Sequence]) -> tuple[list[Planned], list[Planned]]:
         """Split the step's token budget: every sequence with one token left (its last, which samples) first,
@@ -151,26 +151,25 @@ class BatchInit:
             o += t
         b[o:o + n] = np.arange(n)  # logits_idx: every decoding sequence samples
         self._copy(o + n)
-        views = self._decode_views.get((rows, lora))
-        if views is None:
-            views = self._decode_views[(rows, lora)] = self._views(
-                {"input_ids": t, "positions": t, "slot_mapping": t, "decode_token_idx": n_dec, "decode_q_pos": n_dec,
-                 "decode_kv_slots": n_dec, "prefill_token_idx": 4, "prefill_q_pos": 4, "prefill_kv_slots": 2,
-                 "out_idx": t, "weight_indices": t if lora else 0})
-        input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos, pre_kv, out_idx, wi = views
+        v = self._decode_views.get((rows, lora))
+        if v is None:  # every column but logits_idx, whose length varies
+            lengths = (t, t, t, n_dec, n_dec, n_dec, 4, 4, 2, t, t if lora else 0)
+            v = self._decode_views[(rows, lora)] = self._views(lengths, 2)
         keys = graph.keys if graph is not None else max(2, int(pos.max()) + 1)
-        attn = AttentionMetadata(slot_mapping, dec_idx, dec_pos, dec_kv, self.arange[:keys], pre_idx, pre_pos,
-                                 pre_kv, self.arange[:2], out_idx)
-        return StepInputs(input_ids, positions, attn, LoRABatch(wi if lora else None),
+        attn = AttentionMetadata(v["slot_mapping"], v["decode_token_idx"], v["decode_q_pos"], v["decode_kv_slots"],
+                                 self.arange[:keys], v["prefill_token_idx"], v["prefill_q_pos"], v["prefill_kv_slots"],
+                                 self.arange[:2], v["out_idx"])
+        return StepInputs(v["input_ids"], v["positions"], attn, LoRABatch(v["weight_indices"] if lora else None),
                           self.device_buf[o:o + n], seqs, len(adapters))
 
-    def _views(self, lengths: dict[str, int]) -> tuple[torch.Tensor, ...]:
-        views, start = [], 0
-        for name, length in lengths.items():
+    def _views(self, lengths: tuple[int, ...], prefill_rows: int) -> dict[str, torch.Tensor]:
+        """The device buffer cut into COLUMNS of `lengths`, back to back; the prefill group's two as (rows, width)."""
+        views, start = {}, 0
+        for name, length in zip(COLUMNS, lengths):
             view = self.device_buf[start:start + length]
-            views.append(view.view(2, -1) if name in ("prefill_token_idx", "prefill_q_pos") else view)
+            views[name] = view.view(prefill_rows, -1) if name in ("prefill_token_idx", "prefill_q_pos") else view
             start += length
-        return tuple(views)
+        return views
 
     def _build_general(self, single: list[Planned], chunks: list[Planned], merged: bool) -> StepInputs:
         max_len = self.max_len
@@ -228,16 +227,12 @@ class BatchInit:
             self.np[start:start + len(c)] = c
             start += len(c)
         self._copy(total)
-        v, start = {}, 0
-        for name, c in columns.items():
-            v[name] = self.device_buf[start:start + len(c)]
-            start += len(c)
+        v = self._views(tuple(len(c) for c in columns.values()), n_rows)
         attn = AttentionMetadata(
             slot_mapping=v["slot_mapping"],
             decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"],
             decode_kv_slots=v["decode_kv_slots"], decode_key_pos=self.arange[: max(2, max(dec_pos) + 1)],
-            prefill_token_idx=v["prefill_token_idx"].view(n_rows, width),
-            prefill_q_pos=v["prefill_q_pos"].view(n_rows, width),
+            prefill_token_idx=v["prefill_token_idx"], prefill_q_pos=v["prefill_q_pos"],
             prefill_kv_slots=v["prefill_kv_slots"], prefill_key_pos=self.arange[: max(2, max(pre_pos) + 1)],
             out_idx=v["out_idx"],
         )

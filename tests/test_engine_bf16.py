@@ -7,6 +7,8 @@ agreement: the first AGREE greedy tokens equal transformers' in bfloat16, on a r
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -56,8 +58,6 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch):
 def test_native_bf16_follows_the_cpu_flags_not_onednn(monkeypatch):
     """bf16 counts as native only with the instructions (avx512_bf16 or AMX), as /proc/cpuinfo lists them: oneDNN's
     own check says yes on any AVX-512 CPU, where it would emulate bf16 slower than float32."""
-    from pathlib import Path
-
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         flags = set(cpuinfo.read_text().split())
