@@ -18,7 +18,7 @@ import torch
 
 from .config import EngineConfig
 from .cuda_graphs import GraphShape
-from .forward_batch import AttentionMetadata, LoRABatch
+from .forward_batch import PLACEHOLDER_KEYS, AttentionMetadata, LoRABatch
 from .sequence import Sequence
 
 
@@ -142,7 +142,7 @@ class BatchInit:
         b[o + n_dec:o + n_dec + n], b[o + n_dec + n:o + 2 * n_dec] = pos, 0
         b[o + 2 * n_dec:o + 2 * n_dec + n], b[o + 2 * n_dec + n:o + 3 * n_dec] = kv, scratch
         o += 3 * n_dec
-        b[o:o + 4], b[o + 4:o + 8], b[o + 8:o + 10] = rows, 0, scratch  # an empty 2x2 prefill group: the dummy
+        b[o:o + 4], b[o + 4:o + 8], b[o + 8:o + 10] = rows, 0, scratch  # the placeholder prefill group: 2x2 of the dummy
         o += 10
         b[o:o + rows], b[o + rows] = np.arange(rows), 0  # out_idx
         o += t
@@ -158,7 +158,7 @@ class BatchInit:
         keys = graph.keys if graph is not None else max(2, int(pos.max()) + 1)
         attn = AttentionMetadata(v["slot_mapping"], v["decode_token_idx"], v["decode_q_pos"], v["decode_kv_slots"],
                                  self.arange[:keys], v["prefill_token_idx"], v["prefill_q_pos"], v["prefill_kv_slots"],
-                                 self.arange[:2], v["out_idx"])
+                                 self.arange[:PLACEHOLDER_KEYS], v["out_idx"])
         return StepInputs(v["input_ids"], v["positions"], attn, LoRABatch(v["weight_indices"] if lora else None),
                           self.device_buf[o:o + n], seqs, len(adapters))
 
@@ -233,7 +233,9 @@ class BatchInit:
             decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"],
             decode_kv_slots=v["decode_kv_slots"], decode_key_pos=self.arange[: max(2, max(dec_pos) + 1)],
             prefill_token_idx=v["prefill_token_idx"], prefill_q_pos=v["prefill_q_pos"],
-            prefill_kv_slots=v["prefill_kv_slots"], prefill_key_pos=self.arange[: max(2, max(pre_pos) + 1)],
+            prefill_kv_slots=v["prefill_kv_slots"],
+            # a real group reads more keys than the placeholder (forward_batch.PLACEHOLDER_KEYS)
+            prefill_key_pos=self.arange[: max(PLACEHOLDER_KEYS + 1, max(pre_pos) + 1) if chunks else PLACEHOLDER_KEYS],
             out_idx=v["out_idx"],
         )
         lora = LoRABatch(weight_indices=v["weight_indices"] if weight_indices else None)

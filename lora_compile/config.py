@@ -200,6 +200,8 @@ class EngineConfig:
                      "merge_after_steps", "adapter_loader_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 3:  # a prefill group reads at least 3 positions (forward_batch.PLACEHOLDER_KEYS)
+            raise ValueError(f"max_seq_len must be >= 3, got {self.max_seq_len}")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:
             raise ValueError(f"max_cpu_lora_bytes must be >= 0, got {self.max_cpu_lora_bytes}")
         if self.merge_lone_adapter not in MERGE_MODES:

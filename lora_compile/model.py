@@ -8,7 +8,7 @@ from torch import nn
 from . import compile_policy, packed_gemm
 from .checkpoint import SafetensorsCheckpoint
 from .config import ModelConfig
-from .forward_batch import AttentionMetadata, ForwardBatch
+from .forward_batch import PLACEHOLDER_KEYS, AttentionMetadata, ForwardBatch
 from .layers import LoRALinear, RMSNorm, apply_rotary
 from .packed_gemm import linear
 
@@ -115,6 +115,30 @@ def attend_decode(
     return out.reshape(batch, n_heads * head_dim)
 
 
+def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                   scale: float, sliding_window: int | None, compiled: bool) -> torch.Tensor:
+    """attend() over the step's prefill group. Compiled on CPU, a decode-only step skips it: its group is a padded
+    placeholder (PLACEHOLDER_KEYS keys, where a real group reads more), and torch.cond on that size decides at run
+    time, in the one graph. The placeholder's two bmm calls (each ~20 us of library set-up for 4608 multiply-adds)
+    and its softmax cost 3-5 % of a batch-8 float32 decode step. On CUDA a decode step replays a graph, where they
+    cost little, and the graphs' tested form stays."""
+    args = (q, k_cache, v_cache, md.prefill_token_idx, md.prefill_q_pos, md.prefill_kv_slots, md.prefill_key_pos)
+    cpu = compiled and q.device.type == "cpu"
+
+    def real(*tensors: torch.Tensor) -> torch.Tensor:
+        # Compiled on CPU, float32 products: in bf16 oneDNN takes every bmm above 4096 multiply-adds at ~25 us a
+        # call, which a mixed step's small chunks pay; 32 16-token prompts prefill within noise either way.
+        return attend(*tensors, scale, sliding_window, float32=cpu)
+
+    if not cpu:
+        return real(*args)
+
+    def placeholder(q: torch.Tensor, _k, _v, token_idx: torch.Tensor, *_) -> torch.Tensor:
+        return q.new_zeros(token_idx.numel(), q.shape[1] * q.shape[2])
+
+    return torch.cond(md.prefill_key_pos.shape[0] > PLACEHOLDER_KEYS, real, placeholder, args)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
         super().__init__()
@@ -152,15 +176,7 @@ class Attention(nn.Module):
         else:
             decode = attend(q, self.k_cache, self.v_cache, md.decode_token_idx[:, None], md.decode_q_pos[:, None],
                             md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window)
-        prefill = attend(
-            q, self.k_cache, self.v_cache, md.prefill_token_idx, md.prefill_q_pos,
-            md.prefill_kv_slots, md.prefill_key_pos, self.scale, self.sliding_window,
-            # Compiled, on CPU: float32 products. In bf16 oneDNN takes every bmm above 4096 multiply-adds and costs
-            # ~25 us a call, and a decode step's empty prefill group (2 rows of 2, padded) is just above: 60 calls,
-            # ~1.4 ms of a 25 ms batch-8 bf16 step (5 % less with float32; prefill steps within noise). On CUDA
-            # the bf16 products stay (tensor cores).
-            float32=fb.compiled and q.device.type == "cpu",
-        )
+        prefill = attend_prefill(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, fb.compiled)
         out = torch.cat([decode, prefill], dim=0)[md.out_idx]
         return self.o_proj(out, fb.lora, fb.compiled)
 

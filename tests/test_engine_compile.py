@@ -159,6 +159,35 @@ def test_long_prompt_is_chunked_while_others_decode(compiled_engines):
         engine.release(seq)
 
 
+def test_decode_steps_skip_the_placeholder_prefill_group(compiled_engines):
+    """Compiled on CPU, a decode-only step runs no prefill attention (its group is a placeholder: no bmm), while
+    steps with prefill chunks, mixed with decodes or not, run it in every layer; tokens stay golden elsewhere."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = compiled_engines("llama")
+    layers = engine.model.config.num_hidden_layers
+
+    def bmm_calls(running: list[Sequence]) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step(running)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+
+    running = [Sequence(i, [3 + i, 4, 5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True)) for i in range(2)]
+    for seq in running:
+        assert engine.try_admit(seq)
+    try:
+        assert bmm_calls(running) == 2 * layers  # prefill only
+        assert bmm_calls(running) == 0  # decode only: skipped
+        late = Sequence(5, [9, 8, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        assert engine.try_admit(late)
+        running.append(late)
+        assert bmm_calls(running) == 2 * layers  # decodes beside a prefill chunk
+        assert bmm_calls(running) == 0
+    finally:
+        for seq in running:
+            engine.release(seq)
+
+
 def test_inductor_cache_directory_is_used(compiled_engines):
     engine = compiled_engines("llama")
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == INDUCTOR_CACHE
