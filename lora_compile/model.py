@@ -120,8 +120,8 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """attend() over the step's prefill group. Compiled on CPU, a decode-only step skips it: its group is a padded
     placeholder (PLACEHOLDER_KEYS keys, where a real group reads more), and torch.cond on that size decides at run
     time, in the one graph. The placeholder's two bmm calls (each ~20 us of library set-up for 4608 multiply-adds)
-    and its softmax cost 3-5 % of a batch-8 float32 decode step. On CUDA a decode step replays a graph, where they
-    cost little, and the graphs' tested form stays."""
+    and its softmax cost 1-7 % of a batch-8 decode step (paired processes). On CUDA a decode step replays a graph,
+    where they cost little, and the graphs' tested form stays."""
     args = (q, k_cache, v_cache, md.prefill_token_idx, md.prefill_q_pos, md.prefill_kv_slots, md.prefill_key_pos)
     cpu = compiled and q.device.type == "cpu"
 
