@@ -142,7 +142,7 @@ class BatchInit:
         b[o + n_dec:o + n_dec + n], b[o + n_dec + n:o + 2 * n_dec] = pos, 0
         b[o + 2 * n_dec:o + 2 * n_dec + n], b[o + 2 * n_dec + n:o + 3 * n_dec] = kv, scratch
         o += 3 * n_dec
-        b[o:o + 4], b[o + 4:o + 8], b[o + 8:o + 10] = rows, 0, scratch  # the placeholder prefill group: 2x2 of the dummy
+        b[o:o + 4], b[o + 4:o + 8], b[o + 8:o + 10] = rows, 0, scratch  # placeholder prefill group: 2x2 of the dummy
         o += 10
         b[o:o + rows], b[o + rows] = np.arange(rows), 0  # out_idx
         o += t

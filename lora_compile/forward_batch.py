@@ -17,8 +17,9 @@ def dynamic(*dims: int):
     return field(metadata={"dynamic_dims": dims})
 
 
-# Keys read by a decode-only step's prefill group, a padded placeholder; a real group reads more (padded to at least
-# PLACEHOLDER_KEYS + 1), so the compiled layer can tell them apart by size and skip the placeholder (model.attend_prefill).
+# Keys read by a decode-only step's prefill group, a padded placeholder; a real group reads more (padded to at
+# least PLACEHOLDER_KEYS + 1), so the compiled layer tells them apart by size and skips the placeholder
+# (model.attend_prefill).
 PLACEHOLDER_KEYS = 2
 
 
