@@ -9,17 +9,19 @@ of its own, which slows every later engine step on few cores (service/runner/eng
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import re2
 import safetensors
 import torch
 from safetensors import SafetensorError
 
+from .adapter_config import check_config, config_numbers, read_config, targets_from_config
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNameError, AdapterPathError
 from .model import LORA_TARGETS, PROJECTIONS, module_shapes
@@ -27,9 +29,12 @@ from .model import LORA_TARGETS, PROJECTIONS, module_shapes
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PARENTS = "|".join(sorted({path.split(".")[0] for path in PROJECTIONS}))  # self_attn, mlp
-_KEY = re.compile(rf"(?:^|\.)layers\.(\d+)\.((?:{_PARENTS})\.(\w+))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-_UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+# Tensor names come from the file: matched by RE2 (linear time; \w is ASCII there), at most this long.
+_KEY = re2.compile(rf"(?:^|\.)layers\.(\d+)\.((?:{_PARENTS})\.(\w+))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+MAX_TENSOR_NAME_CHARS = 1024
+MAX_HEADER_BYTES = 1 << 20  # the safetensors header (JSON): ~100 bytes per tensor
 MAX_ADAPTER_NAME_CHARS = 255  # a directory name (NAME_MAX on Linux filesystems)
+log = logging.getLogger(__name__)
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
@@ -81,94 +86,23 @@ def resolve_adapter_path(path: str | os.PathLike, roots: tuple[str, ...]) -> Pat
     return resolved
 
 
-def _module_name(target: str) -> str:
-    return target.rsplit(".", 1)[-1]
-
-
-def _targets_from_config(raw: dict, source: Path) -> tuple[str, ...]:
-    targets = raw.get("target_modules")
-    names: set[str]
-    if targets is None:
-        return ()
-    if isinstance(targets, str):
-        if targets == "all-linear":
-            return tuple(LORA_TARGETS)
-        # PEFT treats a string as a regex matched in full against module paths.
-        pattern = re.compile(targets)
-        paths = {m: (f"model.layers.0.{LORA_TARGETS[m]}", m) for m in LORA_TARGETS}
-        paths |= {m: (f"model.{m}", m) for m in _UNSUPPORTED_TARGETS}
-        names = {m for m, candidates in paths.items() if any(pattern.fullmatch(c) for c in candidates)}
-    else:
-        names = {_module_name(t) for t in targets}
-    bad = sorted(n for n in names if n not in LORA_TARGETS)
-    if bad:
-        raise AdapterError(
-            f"{source}: target_modules {bad} are not supported; supported: {', '.join(LORA_TARGETS)}"
-        )
-    return tuple(sorted(names, key=list(LORA_TARGETS).index))
-
-
-def _check_config(raw: dict, source: Path) -> None:
-    if raw.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{source}: peft_type {raw.get('peft_type')!r} is not supported; only LORA")
-    if raw.get("use_dora"):
-        raise AdapterError(f"{source}: DoRA adapters (use_dora) are not supported")
-    if raw.get("modules_to_save"):
-        raise AdapterError(f"{source}: modules_to_save {raw['modules_to_save']} is not supported")
-    if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
-        raise AdapterError(f"{source}: trained biases (bias={raw.get('bias')!r}) are not supported")
-    if raw.get("target_parameters"):
-        raise AdapterError(f"{source}: target_parameters is not supported")
-
-
-@dataclass(frozen=True)
-class _ConfigNumbers:
-    r: int
-    lora_alpha: float
-    use_rslora: bool
-    rank_pattern: dict[str, int]
-    alpha_pattern: dict[str, float]
-
-
-def _config_numbers(raw: dict, source: str) -> _ConfigNumbers:
-    """Every number adapter_config.json sets, checked: Python's json reads NaN, Infinity and 1e309 (inf), and a
-    non-finite or zero scaling would turn the adapter's output, and its KV entries, into NaN."""
-    def rank(value, field: str) -> int:
-        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())  # NaN, inf: not
-        if isinstance(value, bool) or not whole or value < 1:
-            raise AdapterError(f"{source}: {field} must be a whole number >= 1, got {value!r}")
-        return int(value)
-
-    def alpha(value, field: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
-            raise AdapterError(f"{source}: {field} must be a finite, non-zero number, got {value!r}")
-        return float(value)
-
-    def pattern(field: str, check) -> dict:
-        value = raw.get(field) or {}
-        if not isinstance(value, dict):
-            raise AdapterError(f"{source}: {field} must be a JSON object, got {value!r}")
-        return {str(k): check(v, f"{field}[{k!r}]") for k, v in value.items()}
-
-    # PEFT's defaults (LoraConfig: r=8, lora_alpha=8) for a config that leaves them out.
-    r = rank(raw.get("r", 8), "r")
-    use_rslora = raw.get("use_rslora", False)
-    if not isinstance(use_rslora, bool):
-        raise AdapterError(f"{source}: use_rslora must be true or false, got {use_rslora!r}")
-    return _ConfigNumbers(r, alpha(raw.get("lora_alpha", 8), "lora_alpha"), use_rslora,
-                          pattern("rank_pattern", rank), pattern("alpha_pattern", alpha))
-
-
-def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
-    # PEFT matches a pattern key against the end of the module's dotted path.
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", module_path):
-            return value
-    return default
-
-
 def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank: int,
                  roots: tuple[str, ...] = ()) -> LoRAAdapter:
+    """Read and validate one adapter directory. Every way its files can be wrong, unreadable ones included, is an
+    AdapterError saying what (the server remembers it until the files change)."""
+    try:
+        return _load_adapter(name, path, cfg, max_rank, roots)
+    except (AdapterError, MemoryError):
+        raise
+    except OSError as e:  # e.g. a name too long for the filesystem, no permission, a file gone meanwhile
+        raise AdapterError(f"adapter {name!r}: cannot read {e.filename or path}: {e.strerror or e}") from e
+    except Exception as e:  # noqa: BLE001 - a check this module lacks: still this adapter's failure, logged
+        log.warning("adapter %r: unexpected error while reading %s", name, path, exc_info=True)
+        raise AdapterError(f"adapter {name!r}: {path} cannot be read ({type(e).__name__}: {e})") from e
+
+
+def _load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank: int,
+                  roots: tuple[str, ...]) -> LoRAAdapter:
     directory = resolve_adapter_path(path, roots)
     config_path = directory / CONFIG_FILE
     weights_path = directory / WEIGHTS_FILE
@@ -182,35 +116,23 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
         pickled = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt")]
         hint = f" (found {pickled[0]}: pickle files are refused; save with safe_serialization=True)" if pickled else ""
         raise AdapterError(f"adapter {name!r}: {weights_path} is missing{hint}")
-    try:
-        raw = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterError(f"adapter {name!r}: {config_path} is not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise AdapterError(f"adapter {name!r}: {config_path} must hold a JSON object")
-    _check_config(raw, config_path)
-    _targets_from_config(raw, config_path)
-    numbers = _config_numbers(raw, f"adapter {name!r}: {config_path}")
+    where = f"adapter {name!r}: {config_path}"
+    raw = read_config(config_path, f"adapter {name!r}")
+    check_config(raw, where)
+    targets_from_config(raw, where)
+    numbers = config_numbers(raw, where)
     rank, alpha, use_rslora = numbers.r, numbers.lora_alpha, numbers.use_rslora
 
     in_out = module_shapes(cfg)
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    names = _read_header(weights_path, f"adapter {name!r}: {weights_path}", cfg, max_rank)
     try:
-        tensors = safetensors.deserialize(weights_path.read_bytes())  # safetensors' own parser; no pickle
-    except (SafetensorError, OSError) as e:
+        tensors = safetensors.deserialize(names.data)  # safetensors' own parser; no pickle
+    except SafetensorError as e:
         raise AdapterError(f"adapter {name!r}: {weights_path} is not a readable safetensors file ({e})") from e
     for key, spec in tensors:
-        m = _KEY.search(key)
-        if m is None:
-            raise AdapterError(f"adapter {name!r}: {weights_path}: tensor {key!r} is not a supported LoRA weight")
-        layer, path, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if LORA_TARGETS.get(module) != path:
-            raise AdapterError(f"adapter {name!r}: {weights_path}: module {module!r} ({key}) is not supported")
-        if layer >= cfg.num_hidden_layers:
-            raise AdapterError(
-                f"adapter {name!r}: {weights_path}: {key} names layer {layer}; the model has {cfg.num_hidden_layers}"
-            )
-        pairs.setdefault((layer, module), {})[which] = _float32(spec, f"adapter {name!r}: {weights_path}: {key}")
+        layer, module, which = names.parsed[key]
+        pairs.setdefault((layer, module), {})[which] = _float32(spec)
 
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(cfg.num_hidden_layers)]
     max_seen = 0
@@ -229,13 +151,13 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
         if r > max_rank:
             raise AdapterError(f"{where}: rank {r} exceeds max_lora_rank {max_rank}")
         module_path = f"model.layers.{layer}.{module}"
-        configured = _pattern_value(numbers.rank_pattern, module_path, rank)
+        configured = numbers.rank_pattern.get(module_path, rank)
         if r != configured:
             field = "rank_pattern" if configured != rank else "r"
             raise AdapterError(f"{where}: the tensors have rank {r} but adapter_config.json {field} says {configured}")
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise AdapterError(f"{where}: weights contain NaN or infinity")
-        module_alpha = _pattern_value(numbers.alpha_pattern, module_path, alpha)
+        module_alpha = numbers.alpha_pattern.get(module_path, alpha)
         with np.errstate(over="ignore"):
             scaled_b = b * np.float32(module_alpha / (math.sqrt(r) if use_rslora else r))
         if not np.isfinite(scaled_b).all():  # finite B and alpha can still overflow once scaled
@@ -249,13 +171,74 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
     return LoRAAdapter(name, directory, max_seen, alpha, use_rslora, targets, weights)
 
 
-def _float32(spec: dict, where: str) -> np.ndarray:
-    """One safetensors tensor as a float32 array, converted in numpy (bfloat16: its bits are float32's top half)."""
+@dataclass(frozen=True)
+class _Header:
+    data: bytes                                  # the whole file
+    parsed: dict[str, tuple[int, str, str]]      # tensor name: (layer, module, "A" or "B")
+
+
+def _read_header(path: Path, where: str, cfg: ModelConfig, max_rank: int) -> _Header:
+    """The weights file, read only when no larger than the largest adapter of this model could be, and its header
+    checked before safetensors parses it: the count of tensors, their names and dtypes (shapes: see the caller)."""
+    in_out = module_shapes(cfg)
+    layers = cfg.num_hidden_layers
+    max_tensors = 2 * layers * len(LORA_TARGETS)
+    limit = 8 + MAX_HEADER_BYTES + 8 * max_rank * layers * sum(n_in + n_out for n_in, n_out in in_out.values())
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        data = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:  # (the file may have grown since stat)
+        raise AdapterError(f"{where} is {max(size, len(data))} bytes; an adapter of this model with rank at most "
+                           f"{max_rank} (max_lora_rank) takes at most {limit} bytes")
+    unreadable = f"{where} is not a readable safetensors file"
+    if len(data) < 8:
+        raise AdapterError(f"{unreadable} ({len(data)} bytes: no header)")
+    n = int.from_bytes(data[:8], "little")
+    if 8 + n > len(data):  # (garbage, or cut short)
+        raise AdapterError(f"{unreadable} (its header length says {n} bytes; the file has {len(data) - 8} after it)")
+    if n > MAX_HEADER_BYTES:
+        raise AdapterError(f"{where}: its header is {n} bytes; at most {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(data[8:8 + n])
+    except RecursionError:
+        raise AdapterError(f"{unreadable} (its header nests too deeply)") from None
+    except ValueError as e:  # not JSON, not UTF-8
+        raise AdapterError(f"{unreadable} (its header is not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise AdapterError(f"{unreadable} (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    if len(header) > max_tensors:
+        raise AdapterError(f"{where} holds {len(header)} tensors; a LoRA adapter of this model holds at most "
+                           f"{max_tensors} (lora_A and lora_B of {len(LORA_TARGETS)} modules in {layers} layers)")
+    parsed: dict[str, tuple[int, str, str]] = {}
+    seen: set[tuple[int, str, str]] = set()
+    for key, spec in header.items():
+        shown = key if len(key) <= MAX_TENSOR_NAME_CHARS else key[:64] + "..."
+        m = _KEY.search(key) if len(key) <= MAX_TENSOR_NAME_CHARS else None
+        if m is None:
+            raise AdapterError(f"{where}: tensor {shown!r} is not a supported LoRA weight")
+        layer, path_in_layer, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if LORA_TARGETS.get(module) != path_in_layer:
+            raise AdapterError(f"{where}: module {module!r} ({key}) is not supported")
+        if layer >= layers:
+            raise AdapterError(f"{where}: {key} names layer {layer}; the model has {layers}")
+        if (layer, module, which) in seen:
+            raise AdapterError(f"{where}: {key} is a second lora_{which} of layer {layer} {module}")
+        seen.add((layer, module, which))
+        dtype = spec.get("dtype") if isinstance(spec, dict) else None
+        if dtype != "BF16" and dtype not in _FLOAT_DTYPES:
+            raise AdapterError(f"{where}: {key}: dtype {dtype} is not supported; LoRA weights must be F32, F16, BF16 "
+                               "or F64")
+        parsed[key] = (layer, module, which)
+    return _Header(data, parsed)
+
+
+def _float32(spec: dict) -> np.ndarray:
+    """One safetensors tensor (its dtype checked by _read_header) as a float32 array, converted in numpy (bfloat16:
+    its bits are float32's top half)."""
     dtype, shape, data = spec["dtype"], tuple(spec["shape"]), spec["data"]
     if dtype == "BF16":
         bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
         return bits.view(np.float32).reshape(shape)
-    if dtype not in _FLOAT_DTYPES:
-        raise AdapterError(f"{where}: dtype {dtype} is not supported; LoRA weights must be F32, F16, BF16 or F64")
     array = np.frombuffer(data, dtype=np.dtype(_FLOAT_DTYPES[dtype]).newbyteorder("<")).reshape(shape)
     return array.astype(np.float32)  # a copy: the file's bytes are not kept

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence as SequenceLike
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .host_memory import available_memory_bytes
 from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import DecodeGraphs, GraphShape
+from .errors import AdapterOutputError
 from .forward_batch import ForwardBatch
 from .layers import rope_tables
 from .lora_manager import LoRAManager
@@ -37,6 +38,9 @@ class StepOutput:
     logits: torch.Tensor | None = None  # (len(seq_ids), vocab) when asked for
     num_tokens: int = 0         # tokens processed (prefill chunks + decodes)
     num_adapters: int = 0       # distinct adapters in the step
+    # Adapters this step found producing non-finite values, now refused (LoRAManager.mark_failed): every
+    # sequence using one should end (those that ended here have finish_reason "error").
+    failed_adapters: dict[str, AdapterOutputError] = field(default_factory=dict)
     merged: bool = False        # ran on its one adapter merged into the weights (lora_merge)
     cuda_graph: bool = False    # replayed a decode CUDA graph (cuda_graphs)
     kind: str = "decode"        # "decode", "prefill" or "mixed"
@@ -61,9 +65,17 @@ def _host_cache_bytes(config: EngineConfig) -> int:
 
 
 def _non_finite_message(seq: Sequence) -> str:
-    source = f"adapter {seq.adapter!r}" if seq.adapter else "the base model"
-    return (f"{source} produced non-finite logits (NaN or infinity) at position {seq.num_tokens}: its weights "
-            "overflow on this input; the sequence was ended (other requests are unaffected)")
+    return (f"the base model produced non-finite logits (NaN or infinity) at position {seq.num_tokens}: its "
+            "weights overflow on this input; the sequence was ended (other requests are unaffected)")
+
+
+def _adapter_output_error(seq: Sequence, registered: bool) -> AdapterOutputError:
+    fix = ("load it again (LoadAdapter) or restart the server" if registered
+           else "the adapter directory's copy is read again once its files change")
+    return AdapterOutputError(
+        f"adapter {seq.adapter!r} produces non-finite values (NaN or infinity) at run time: its weights overflow "
+        f"(first seen at position {seq.num_tokens} of a request). Its requests are refused until its weights are "
+        f"fixed or replaced: {fix}")
 
 
 class Engine:
@@ -139,14 +151,15 @@ class Engine:
                 f"max_seq_len {self.config.max_seq_len}"
             )
 
-    def try_admit(self, seq: Sequence) -> bool:
+    def try_admit(self, seq: Sequence, read_adapter: bool = True) -> bool:
         """Reserve a KV slot and pin the sequence's adapter; False (nothing changed) when either is full.
-        Sets seq.adapter_loaded: whether admission copied the adapter into a device slot."""
+        Sets seq.adapter_loaded: whether admission copied the adapter into a device slot. read_adapter=False:
+        an adapter not in host memory raises AdapterNotReadyError instead of being read in this thread."""
         assert seq.kv_slot is None, "sequence already admitted"
         self.check_request(seq.prompt_ids, seq.sampling)
         if not self._free_kv:
             return False
-        acquired = self.adapters.acquire(seq.adapter)
+        acquired = self.adapters.acquire(seq.adapter, read_adapter)
         if acquired is None:
             return False
         seq.kv_slot = self._free_kv.popleft()
@@ -202,9 +215,17 @@ class Engine:
         for p in (*single, *chunks):
             p.seq.num_computed_tokens += p.length
         token_ids = result.token_ids if result else []
+        failed: dict[str, AdapterOutputError] = {}
         for i, (seq, token) in enumerate(zip(sampled, token_ids)):
             if token == NON_FINITE:  # this sequence alone ends; the rest of the batch is unaffected
-                seq.finish_reason, seq.error = "error", _non_finite_message(seq)
+                seq.finish_reason = "error"
+                if seq.adapter:  # and its adapter is refused from now on
+                    if seq.adapter not in failed:
+                        failed[seq.adapter] = _adapter_output_error(seq, self.adapters.is_registered(seq.adapter))
+                        self.adapters.mark_failed(seq.adapter, failed[seq.adapter])
+                    seq.error = str(failed[seq.adapter])
+                else:
+                    seq.error = _non_finite_message(seq)
                 continue
             seq.output_ids.append(token)
             if result.logprobs is not None and (seq.sampling.logprobs or seq.sampling.top_logprobs):
@@ -219,6 +240,7 @@ class Engine:
             seq_ids=[sampled[i].seq_id for i in ok], token_ids=[token_ids[i] for i in ok],
             logits=logits if return_logits else None,
             num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=inputs.num_adapters, kind=kind,
+            failed_adapters=failed,
             merged=merged, cuda_graph=graph is not None,
             start_ns=start_ns, batch_init_s=t1 - t0 - merge_s, merge_s=merge_s, forward_s=t2 - t1, sample_s=t3 - t2,
         )

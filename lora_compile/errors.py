@@ -27,3 +27,13 @@ class AdapterPathError(AdapterError):
 
 class AdapterNameError(AdapterError):
     """An adapter name that cannot name a directory inside an adapter directory (checked before any file access)."""
+
+
+class AdapterOutputError(AdapterError):
+    """An adapter that loaded but produces non-finite values at run time (its weights overflow): requests for it
+    are refused until its weights are fixed or replaced."""
+
+
+class AdapterNotReadyError(LoraCompileError):
+    """An adapter left host memory (evicted) between admission's check and its copy into a device slot: the
+    server reads it on the loader threads, never in the engine thread."""

@@ -6,6 +6,7 @@ request gives the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,13 +19,29 @@ if TYPE_CHECKING:
 
 NON_FINITE = -1  # the token sample() gives a row whose logits hold NaN or infinity
 
+
+def _float32(value: float) -> float:
+    """`value` as the proto's float fields carry it, so a bound sent exactly is on the side the docs say."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): logits divided by a temperature near float32's
+# smallest values overflow to infinity and the draw degenerates (token 0 at every step); greedy is its limit.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# The repetition penalty divides (or multiplies) logits: outside this range a seen token's logit can overflow
+# to infinity (1e-38 did: NaN log-probabilities, token 0), while any penalty worth asking for lies inside.
+REPETITION_PENALTY_RANGE = (1e-5, 1e5)
+_GREEDY_BELOW = _float32(GREEDY_BELOW_TEMPERATURE)
+_LOW, _HIGH = (_float32(v) for v in REPETITION_PENALTY_RANGE)
+
 # What each sampling value may be, stated once: SamplingParams raises on the first broken rule, the service's
 # validation reports every one with its field.
 SAMPLING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
     "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "top_k": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "repetition_penalty": (lambda v: v > 0, "must be > 0 (1 = off)"),
+    "repetition_penalty": (lambda v: _LOW <= v <= _HIGH,
+                           "must be in [{:g}, {:g}] (1 = off)".format(*REPETITION_PENALTY_RANGE)),
 }
 
 
@@ -38,7 +55,7 @@ def sampling_problem(name: str, value: float) -> str | None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0, or below GREEDY_BELOW_TEMPERATURE: greedy
     top_p: float = 1.0
     top_k: int = 0            # 0: off
     repetition_penalty: float = 1.0
@@ -60,7 +77,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_BELOW
 
 
 @dataclass
@@ -98,10 +115,11 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> SampleResult:
     """logits: (B, vocab) float32, one row per sequence in `seqs`. A row that is not finite gets token -1
     (NON_FINITE). Every operation below is row by row, so such a row cannot disturb the others; it is zeroed
     only where its values would otherwise be computed with (random rows, logprobs)."""
+    apply_repetition_penalty(logits, seqs)
     # A row is finite iff its max and min are (both propagate NaN): two vectorised reductions, where
     # isfinite().all() is four passes over the (B, vocab) logits (~1 ms a step at batch 8 on 2 cores).
+    # Checked after the penalty, which could still overflow a logit near float32's largest values.
     finite = logits.amax(dim=-1).isfinite() & logits.amin(dim=-1).isfinite()
-    apply_repetition_penalty(logits, seqs)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     want_logprobs = any(s.sampling.logprobs or s.sampling.top_logprobs for s in seqs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import importlib.util
 import logging
 import os
@@ -93,8 +94,10 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="this replica's name behind a load balancer: sent as x-replica-id with every Generate "
                         "and as the OpenTelemetry resource attribute service.instance.id (default: <hostname>-<pid>)")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
-                   help="LoadAdapter only accepts directories under these roots (repeatable; default: any)")
+                   help="LoadAdapter only accepts directories under these roots and the --adapter-dir "
+                        "directories (repeatable; default, with neither flag: any)")
     _add_limit_flags(p)
+    _add_connection_flags(p)
     _add_security_flags(p)
     p.add_argument("--tracing", action="store_true",
                    help="export OpenTelemetry spans and metrics over OTLP, configured by the OTEL_* environment "
@@ -127,6 +130,49 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
                         "stream is cancelled; generation itself never waits for a reader (default: %(default)s)")
 
 
+def _add_connection_flags(p: argparse.ArgumentParser) -> None:
+    from service.connections import ConnectionLimits
+
+    d = ConnectionLimits()
+    g = p.add_argument_group("connections (both doors; see docs/operations.md)")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections per door (HTTP, gRPC); more are closed at once (HTTP: 503 first) "
+                        "(default: what the file-handle limit leaves, split between the doors)")
+    g.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s,
+                   help="HTTP: seconds an idle connection (no request in progress) stays open (default: %(default)s)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds a client has to send a request's line and headers after their first byte (HTTP), "
+                        "or to finish its connection handshake (gRPC); then the connection is closed "
+                        "(default: %(default)s)")
+    g.add_argument("--h11-max-incomplete-event-size", type=int, default=d.h11_max_incomplete_event_size,
+                   help="HTTP: largest request line + headers in bytes; larger ones get 431 (default: %(default)s)")
+    g.add_argument("--grpc-max-connection-idle", type=float, default=d.grpc_max_connection_idle_s,
+                   help="gRPC: seconds a connection without calls stays open before GOAWAY; clients reconnect on "
+                        "their next call (default: %(default)s; 0: never)")
+    g.add_argument("--grpc-max-connection-age", type=float, default=d.grpc_max_connection_age_s,
+                   help="gRPC: seconds after which a connection gets GOAWAY, so clients reconnect (and spread over "
+                        "replicas added since) (default: %(default)s; 0: never)")
+    g.add_argument("--grpc-max-connection-age-grace", type=float, default=d.grpc_max_connection_age_grace_s,
+                   help="gRPC: seconds the calls of a connection past its age get to finish; then they end with "
+                        "UNAVAILABLE (default: %(default)s)")
+    g.add_argument("--grpc-keepalive-time", type=float, default=d.grpc_keepalive_time_s,
+                   help="gRPC: seconds of quiet after which the server pings the client (default: %(default)s)")
+    g.add_argument("--grpc-keepalive-timeout", type=float, default=d.grpc_keepalive_timeout_s,
+                   help="gRPC: seconds an unanswered ping waits before the connection is closed (default: %(default)s)")
+
+
+def _connection_limits(args: argparse.Namespace):
+    from service.connections import ConnectionLimits
+
+    return ConnectionLimits(
+        max_connections=args.max_connections, timeout_keep_alive_s=args.timeout_keep_alive,
+        header_timeout_s=args.header_timeout, h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        grpc_max_connection_idle_s=args.grpc_max_connection_idle or None,
+        grpc_max_connection_age_s=args.grpc_max_connection_age or None,
+        grpc_max_connection_age_grace_s=args.grpc_max_connection_age_grace,
+        grpc_keepalive_time_s=args.grpc_keepalive_time, grpc_keepalive_timeout_s=args.grpc_keepalive_timeout)
+
+
 def _add_security_flags(p: argparse.ArgumentParser) -> None:
     from service.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
 
@@ -141,6 +187,11 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     g.add_argument("--tls-client-ca", metavar="PEM",
                    help="mutual TLS: require client certificates signed by this CA")
+    g.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
+                   help="HTTP: the Host header names the server answers to, comma-separated or repeated; '*': any, "
+                        "'*.example.com': a domain; others get 421 (a guard against DNS rebinding). Default: "
+                        "localhost, 127.0.0.1 and [::1] when --host is loopback, --host when it is another address, "
+                        "any for 0.0.0.0 / :: or when --api-token is set; /health and /metrics answer any Host")
 
 
 def _server_config(args: argparse.Namespace):
@@ -163,12 +214,14 @@ def _server_config(args: argparse.Namespace):
         api_token=args.api_token or os.environ.get(API_TOKEN_ENV) or None,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
         disable_adapter_management=args.disable_adapter_management,
-        tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
+        tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+        allowed_hosts=tuple(h.strip() for value in args.allowed_hosts for h in value.split(",") if h.strip()))
     if args.http_port < 0:
         raise ValueError(f"--http-port must be >= 0 (0: off), got {args.http_port}")
     replica = {"replica_id": args.replica_id} if args.replica_id else {}  # else ServerConfig's default
     return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
-                        limits=limits, security=security, http_port=args.http_port or None, **replica)
+                        limits=limits, security=security, http_port=args.http_port or None,
+                        connections=_connection_limits(args), **replica)
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -201,9 +254,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         model = str(engine_thread.call(write_demo_checkpoint))
         demo_adapters = engine_thread.call(write_demo_adapters)
         adapters = {name: str(path) for name, path in demo_adapters.items()} | adapters
-        if roots:  # the demo adapters must stay loadable (they are re-read after eviction)
-            roots += tuple(sorted({str(path.parent) for path in demo_adapters.values()}))
-            log.info("adapter roots: %s (the demo adapters' directory added)", ", ".join(roots))
     try:
         engine_config = EngineConfig(
             model=model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
@@ -224,7 +274,8 @@ def serve_main(argv: list[str] | None = None) -> int:
                  str(engine.dtype).removeprefix("torch."), "oneDNN-packed" if engine.weights_packed else "plain",
                  "" if engine_config.compile else " (eager: --no-compile)")
         for name, path in adapters.items():
-            info = engine_thread.call(engine.adapters.register, name, path)
+            # The operator's own adapters (and the demo's) may lie outside the roots, which confine LoadAdapter.
+            info = engine_thread.call(functools.partial(engine.adapters.register, confined=False), name, path)
             log.info("registered adapter %s (rank %d) from %s", name, info.rank, info.path)
     except Exception as e:  # noqa: BLE001 - a bad flag or directory: one line, not a traceback
         log.error("cannot start: %s: %s", type(e).__name__, e)

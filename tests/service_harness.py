@@ -36,10 +36,11 @@ def shared_engine() -> Engine:
 
 
 def build_engine(model: Path, adapters: dict[str, Path], **limits: Any) -> Engine:
-    """An engine with these adapters registered, built where a server runs it: in the engine thread."""
+    """An engine with these adapters registered as `lora-serve --adapter` registers them (anywhere, whatever the
+    roots), built where a server runs it: in the engine thread."""
     engine = engine_thread.call(Engine, EngineConfig(model=str(model), **(LIMITS | limits)))
     for name, path in adapters.items():
-        engine_thread.call(engine.adapters.register, name, str(path))
+        engine_thread.call(functools.partial(engine.adapters.register, confined=False), name, str(path))
     return engine
 
 
@@ -139,6 +140,7 @@ class BackgroundStream:
     def __init__(self, server: ServerThread, prompt, wait_started: bool = True, **params):
         self.chunks, self.error = [], None
         self.started = threading.Event()
+        self._stop = threading.Event()
         self._client = server.client()
         self._thread = threading.Thread(target=self._run, args=(prompt, params), daemon=True)
         self._thread.start()
@@ -147,12 +149,21 @@ class BackgroundStream:
 
     def _run(self, prompt, params):
         try:
-            for chunk in self._client.generate(prompt, **params):
+            stream = self._client.generate(prompt, **params)
+            for chunk in stream:
                 self.chunks.append(chunk)
                 self.started.set()
+                if self._stop.is_set():
+                    stream.close()  # leaving the stream cancels the call
+                    break
         except Exception as e:  # noqa: BLE001 - surfaced by result()
             self.error = e
             self.started.set()
+
+    def stop(self) -> list[int]:
+        """Leave the stream at its next chunk (as a client that goes away); the tokens received until then."""
+        self._stop.set()
+        return self.result()
 
     def result(self) -> list[int]:
         """The stream's tokens, once it has ended; raises what the stream raised."""

@@ -68,7 +68,8 @@ GENERATE_CASES: dict[str, Case] = {
     "G17": Case(_request(sampling__top_p=1.5), INVALID, "must be in (0, 1]", ("sampling.top_p",)),
     "G18": Case(_request(sampling__top_p=NAN), INVALID, "finite", ("sampling.top_p",)),
     "G19": Case(_request(sampling__top_k=-1), INVALID, "must be >= 0", ("sampling.top_k",)),
-    "G20": Case(_request(sampling__repetition_penalty=0.0), INVALID, "must be > 0", ("sampling.repetition_penalty",)),
+    "G20": Case(_request(sampling__repetition_penalty=0.0), INVALID, "must be in [1e-05, 100000] (1 = off), got 0",
+                ("sampling.repetition_penalty",)),
     "G21": Case(_request(sampling__repetition_penalty=-INF), INVALID, "finite", ("sampling.repetition_penalty",)),
     "G22": Case(_request(stopping__stop=["ok", ""]), INVALID, "must not be empty", ("stopping.stop[1]",)),
     "G23": Case(_request(stopping__stop=["x" * 257]), INVALID, "at most 256 characters", ("stopping.stop[0]",)),
@@ -101,6 +102,8 @@ GENERATE_CASES: dict[str, Case] = {
     "G39": Case(field_bytes(4, field_bytes(1, varint(2**32 + 5))) + field_bytes(6, field_varint(1, 1)), OK),
     "G40": Case(_VALID + field_varint(99, 7), OK),
     "G41": Case(_VALID[:-1], INVALID, "does not parse as a loraserve.v1.GenerateRequest message"),
+    "G44": Case(_request(sampling__repetition_penalty=1e-38), INVALID, "must be in [1e-05, 100000] (1 = off), got 1e-38",
+                ("sampling.repetition_penalty",)),
 }
 
 # Entries checked by other tests (test file :: test name).
@@ -114,12 +117,16 @@ ELSEWHERE = {
     "C07": "test_service_lifecycle.py::test_cancel_mid_stream_frees_the_slots",
     "C08": "test_faults.py::test_engine_step_failure_fails_that_step_and_frees_every_slot",
     "C09": "test_faults.py::test_adapter_files_damaged_after_registration",
+    "C10": "test_hostile_adapters.py::test_overflowing_weights_mark_the_adapter_bad_at_its_first_failure",
     "A01": "test_security.py::test_bearer_tokens",
     "A02": "test_security.py::test_bearer_tokens",
     "A03": "test_security.py::test_adapter_management_can_be_disabled",
     "A04": "test_security.py::test_adapter_paths_outside_the_roots_are_refused",
     "A05": "test_security.py::test_mutual_tls",
     "L09": "test_service_adapters.py::test_load_and_unload_while_streaming",
+    "L11": "test_hostile_adapters.py::test_target_modules_patterns_are_matched_in_linear_time",
+    "L12": "test_hostile_adapters.py::test_nested_or_oversize_config_is_refused_and_read_once",
+    "L13": "test_hostile_adapters.py::test_safetensors_header_is_bounded",
     "U03": "test_service_adapters.py::test_load_and_unload_while_streaming",
 }
 

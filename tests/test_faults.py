@@ -142,10 +142,10 @@ def test_admission_failure_fails_only_that_request(served, monkeypatch):
     engine = served.engine
     real_admit = engine.try_admit
 
-    def admit(seq):
+    def admit(seq, *args, **kwargs):
         if seq.adapter == "scribe":
             raise RuntimeError("simulated admission bug")
-        return real_admit(seq)
+        return real_admit(seq, *args, **kwargs)
 
     monkeypatch.setattr(engine, "try_admit", admit)
     base = BackgroundStream(served, "Once upon a time", max_new_tokens=40, ignore_eos=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -261,3 +262,99 @@ def test_fuzz_requests(served):
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     (REPORT_DIR / "fuzz.json").write_text(json.dumps(report, indent=2))
     print("\nfuzz:", json.dumps(report, indent=2))
+
+
+# --- adapter files ----------------------------------------------------------------------------------
+# adapter_config.json as a hostile adapter directory may hold it: target_modules as random regex-ish strings
+# (pathological ones among them), odd JSON in every field, nesting up to 100 000 levels, objects with up to
+# 100 000 keys (over the size cap at the top). Every outcome is OK or FAILED_PRECONDITION with a message, within
+# a deadline of many times a normal cold load measured first.
+ADAPTER_EXAMPLES = int(os.environ.get("LORA_SERVE_FUZZ_ADAPTER_EXAMPLES", "120"))
+PATHOLOGICAL = ["(.+)+X", "(a|aa)+$", "(x+x+)+y", "((.*)*)*q", "(.*a){20}", "(?<=x)q_proj", r"(a)\1", "a{1001}",
+                "((a{100}){100}){100}", "(", ")", "[", "*", "\\", "(?P<n>q_proj)", "(.+)+(q|v)_proj", ".*",
+                "all-linear", "q_proj|v_proj", "x" * 2000, "\x00", "é+"]
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20)
+regexish = st.text(alphabet="()[]{}.*+?|\\^$-_,0123456789abqvpXé", max_size=40) | st.sampled_from(PATHOLOGICAL)
+CONFIG_FIELDS = {
+    "target_modules": regexish | st.lists(st.sampled_from(["q_proj", "v_proj", "lm_head", "x"]) | st.text(max_size=9),
+                                          max_size=4) | json_values,
+    "r": st.integers(-2, 20) | json_values, "lora_alpha": st.floats() | json_values,
+    "rank_pattern": st.dictionaries(regexish, st.integers(0, 9) | json_values, max_size=4) | json_values,
+    "alpha_pattern": st.dictionaries(regexish, st.floats() | json_values, max_size=4) | json_values,
+    "use_rslora": json_values, "peft_type": json_values, "modules_to_save": json_values, "bias": json_values,
+    "use_dora": json_values,
+}
+
+
+@st.composite
+def adapter_configs(draw) -> str:
+    raw = json.loads((_demo_adapter() / "adapter_config.json").read_text())
+    for name in draw(st.lists(st.sampled_from(sorted(CONFIG_FIELDS)), max_size=4, unique=True)):
+        raw[name] = draw(CONFIG_FIELDS[name])
+    text = json.dumps(raw)  # NaN / Infinity as Python's json writes them (and reads them)
+    shape = draw(st.sampled_from(["flat", "flat", "deep", "wide"]))
+    if shape == "deep":  # written as text: json.dumps would recurse
+        n = draw(st.integers(1, 100_000))
+        text = text[:-1] + ', "deep": ' + "[" * n + "]" * n + "}"
+    elif shape == "wide":
+        n = draw(st.integers(1, 100_000))
+        text = text[:-1] + ', "wide": {' + ",".join(f'"k{i}": {i}' for i in range(n)) + "}}"
+    return text
+
+
+def _demo_adapter() -> Path:
+    from tests.service_harness import demo_paths
+    return demo_paths()[1]["pirate"]
+
+
+def test_fuzz_adapter_configs(tmp_path):
+    from service.client import FailedPreconditionError
+    from tests.service_harness import build_engine, demo_paths
+
+    library = tmp_path / "adapters"
+    library.mkdir()
+    weights = shutil.copy(_demo_adapter() / "adapter_model.safetensors", tmp_path)  # linked into every adapter
+    engine = build_engine(demo_paths()[0], {}, adapter_dirs=(str(library),), max_cpu_lora_bytes=1)
+    server = ServerThread(engine, ServerConfig(port=0, grace_period_s=10.0, limits=LIMITS))
+    names = iter(f"config-{i}" for i in range(10**9))
+    stats: Counter = Counter()
+
+    def adapter(config_text: str) -> str:
+        name = next(names)
+        (library / name).mkdir()
+        (library / name / "adapter_config.json").write_text(config_text)
+        os.link(weights, library / name / "adapter_model.safetensors")
+        return name
+
+    try:
+        with server.client() as client:  # the deadline: 200 times a normal adapter's cold request, here, now
+            t0 = time.perf_counter()
+            client.complete("Hi", adapter=adapter((_demo_adapter() / "adapter_config.json").read_text()),
+                            max_new_tokens=1)
+            deadline = 200 * (time.perf_counter() - t0)
+        with server.client(timeout=deadline) as client:
+            @settings(max_examples=ADAPTER_EXAMPLES, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+            @given(adapter_configs(), st.sampled_from(["prefetch", "prefetch", "prefetch", "generate"]))
+            def run(config_text, how):
+                name = adapter(config_text)
+                try:
+                    if how == "prefetch":  # read into host memory, no step
+                        client.load_adapter(name)
+                    else:
+                        assert client.complete("Hi", adapter=name, max_new_tokens=1).usage.completion_tokens == 1
+                    stats[how, "OK"] += 1
+                except FailedPreconditionError as e:  # every other status (INTERNAL, DEADLINE_EXCEEDED) fails
+                    assert f"adapter {name!r}" in e.message, e.message
+                    stats[how, "FAILED_PRECONDITION"] += 1
+
+            run()
+            assert client.health() == "SERVING"
+        server.wait_idle()
+        print("\nadapter config fuzz:", dict(sorted(stats.items())))
+        assert stats["prefetch", "OK"] and stats["prefetch", "FAILED_PRECONDITION"]
+    finally:
+        server.stop()

@@ -52,22 +52,33 @@ HTTP_CASES = {
             (COMPLETIONS, {"prompt": "Hi", "max_tokens": -1}, {}, 400, "max_tokens", "max_tokens"),
             (COMPLETIONS, {"prompt": "Hi", "top_k": 2**40}, {}, 400, "top_k", "top_k")],
     "H04": [(COMPLETIONS, {"prompt": "Hi", "model": "no-such-adapter"}, {}, 404,
-             "adapter 'no-such-adapter' is not loaded", None)],
+             "adapter 'no-such-adapter' is not loaded", "model")],
     "H05": [(COMPLETIONS, {"prompt": "Hi", "n": 2}, {}, 400, "only n = 1 is supported", "n")],
     "H06": [(COMPLETIONS, {"prompt": "a" * (1 << 20)}, {}, 413, "this server accepts at most 1048576", None)],
     "H07": [(COMPLETIONS, {"prompt": "Hi", "model": "pirate"}, {"x-adapter-id": "poet"}, 400,
              "the x-adapter-id header names 'poet' but the model field names 'pirate'", "model")],
     "H08": [(CHAT, {"messages": [{"role": "user", "content": "hi"}]}, {}, 400, "has no chat template", None)],
-    "H10": [("/v1/nowhere", {}, {}, 404, "Not Found", None)],
+    "H10": [("/v1/nowhere", {}, {}, 404, "Not Found", None),
+            (COMPLETIONS + "/", {"prompt": "Hi"}, {}, 404, "Not Found", None),
+            ("/health", {}, {}, 405, "Method Not Allowed: /health takes GET, HEAD, not POST", None)],
     "H12": [(COMPLETIONS, {"prompt": ["a", "b"]}, {}, 400, "one prompt per request, got a batch of 2", "prompt")],
     "H13": [(COMPLETIONS, {"prompt": "Hi", "echo": True}, {}, 400, "echo: not supported", "echo"),
             (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 0.5}, {}, 400, "use repetition_penalty",
              "presence_penalty")],
     "H14": [(COMPLETIONS, {"max_tokens": 2}, {}, 400, "prompt: Field required", "prompt")],
+    "H17": [(COMPLETIONS, {"prompt": "Hi"}, {"content-type": "text/plain"}, 415, "the request body must be JSON: send "
+             "the header 'Content-Type: application/json' (got Content-Type 'text/plain')", None)],
+    "H18": [(COMPLETIONS, {"prompt": "Hi"}, {"host": "evil.example"}, 421, "this server does not answer to Host "
+             "'evil.example': it answers only to localhost, 127.0.0.1, [::1] (it listens on 127.0.0.1 and has no "
+             "--api-token: a guard against DNS rebinding); call it by one of those names, or start it with "
+             "--allowed-hosts evil.example (or --api-token)", None)],
 }
-# Elsewhere: H09 (test_http_api.py::test_chat_uses_the_models_template_as_transformers_renders_it), H11 and
-# H15 below, H16 (test_http_api.py::test_client_disconnect_mid_stream_frees_the_slot).
-ELSEWHERE = {"H09", "H11", "H15", "H16"}
+# Elsewhere: H09 (test_http_api.py::test_chat_uses_the_models_template_as_transformers_renders_it and
+# test_http_hardening.py::test_chat_template_errors_are_in_our_words), H11 and H15 below, H16
+# (test_http_api.py::test_client_disconnect_mid_stream_frees_the_slot), H19
+# (test_http_hardening.py::test_refused_adapter_names_name_the_model_param: it needs --adapter-dir).
+# H20 and H21: test_connections.py (test_huge_request_head_gets_431, test_http_cap_refuses_new_connections_...).
+ELSEWHERE = {"H09", "H11", "H15", "H16", "H19", "H20", "H21"}
 
 # Shared rows sent as OpenAI requests: (id, body, status, message fragment, param).
 SHARED_CASES = [
@@ -79,13 +90,16 @@ SHARED_CASES = [
     ("G13", {"prompt": "Hi", "temperature": -0.5}, "temperature: must be >= 0 (0 = greedy), got -0.5", "temperature"),
     ("G17", {"prompt": "Hi", "top_p": 1.5}, "top_p: must be in (0, 1], got 1.5", "top_p"),
     ("G19", {"prompt": "Hi", "top_k": -1}, "top_k: must be >= 0", "top_k"),
-    ("G20", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty: must be > 0", "repetition_penalty"),
+    ("G20", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty: must be in [1e-05, 100000] (1 = off)",
+     "repetition_penalty"),
     ("G22", {"prompt": "Hi", "stop": ["ok", ""]}, "stop[1]: must not be empty", "stop[1]"),
     ("G24", {"prompt": "Hi", "stop": ["a"] * 17}, "stop: at most 16 stop strings, got 17", "stop"),
     ("G28", {"prompt": "Hi", "model": "", "logprobs": 21}, "logprobs", "logprobs"),
     ("G30", {"prompt": "Hi", "model": "a" * 257}, "model: at most 256 characters", "model"),
-    ("G31", {"prompt": "Hi", "model": "no-such-adapter"}, "adapter 'no-such-adapter' is not loaded", None),
+    ("G31", {"prompt": "Hi", "model": "no-such-adapter"}, "adapter 'no-such-adapter' is not loaded", "model"),
     ("G42", {"prompt": "Z" * 2000}, "prompt: the text has 2000 characters", "prompt"),
+    ("G44", {"prompt": "Hi", "repetition_penalty": 1e-38}, "repetition_penalty: must be in [1e-05, 100000] (1 = off), "
+     "got 1e-38", "repetition_penalty"),
 ]
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from lora_compile import SamplingParams, Sequence
 from service._proto import pb, pb_grpc
-from service.client import FailedPreconditionError, InternalError
+from service.client import FailedPreconditionError
 from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
 from tests.service_harness import BackgroundStream, ServerThread, demo_paths, shared_engine, wait_for
@@ -96,8 +96,9 @@ def test_adapter_numbers_written_as_json_extensions(served, tmp_path):
 
 # --- non-finite activations -------------------------------------------------------------------------------
 def test_overflowing_adapter_fails_alone_and_its_kv_slot_is_clean(served, tmp_path):
-    """An adapter whose activations overflow ends its own request with INTERNAL naming it; the requests that
-    share its steps, and the batch that reuses its KV slot after it is unloaded, equal their solo runs."""
+    """An adapter whose activations overflow ends its own request with FAILED_PRECONDITION naming it (and is refused
+    from then on: tests/test_hostile_adapters.py); the requests that share its steps, and the batch that reuses
+    its KV slot after it is unloaded, equal their solo runs."""
     engine = served.engine
     poison = overflowing_adapter(demo_paths()[1]["pirate"], tmp_path / "poison")
     tok = engine.tokenizer
@@ -112,7 +113,7 @@ def test_overflowing_adapter_fails_alone_and_its_kv_slot_is_clean(served, tmp_pa
         bad = BackgroundStream(served, long_prompt, wait_started=False, adapter="poison", max_new_tokens=n)
         streams = [BackgroundStream(served, p, wait_started=False, adapter=a, max_new_tokens=n, ignore_eos=True)
                    for p, a in others]
-        with pytest.raises(InternalError, match="adapter 'poison' produced non-finite logits"):
+        with pytest.raises(FailedPreconditionError, match="adapter 'poison' produces non-finite values"):
             bad.result()
         assert [s.result() for s in streams] == refs
         served.wait_idle()

@@ -1,11 +1,13 @@
 """Sampling: seeded draws independent of batch-mates, filters, repetition penalty as transformers, stops."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from lora_compile import SamplingParams, Sequence
-from lora_compile.sampling import NON_FINITE, sample
+from lora_compile.sampling import GREEDY_BELOW_TEMPERATURE, NON_FINITE, sample
 from tests.checkpoints import load_reference
 from tests.conftest import build_engine
 from tests.test_engine_golden import PROMPTS
@@ -88,10 +90,26 @@ def test_logprobs(engine):
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                 dict(repetition_penalty=0.0), dict(temperature=float("nan")), dict(max_new_tokens=0)])
+                                 dict(repetition_penalty=0.0), dict(repetition_penalty=1e-38),
+                                 dict(repetition_penalty=1e38), dict(temperature=float("nan")), dict(max_new_tokens=0)])
 def test_invalid_sampling_params(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_temperatures_below_the_floor_are_greedy(engine):
+    """Below GREEDY_BELOW_TEMPERATURE (vLLM's 1e-5) a request is greedy: before, 1e-38 divided the logits into
+    infinity and every step drew token 0."""
+    greedy = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    for temperature in (1e-38, 1e-45, 1e-30, 9.9e-6):
+        params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=12, ignore_eos=True)
+        assert params.greedy and engine.generate([PROMPTS[0]], params)[0] == greedy, temperature
+    assert not SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE).greedy
+    # The sampler itself: a row with a tiny temperature gets the argmax, and a finite log-probability.
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(0)) * 30
+    seqs = [Sequence(i, [1, 2], SamplingParams(temperature=t, logprobs=True)) for i, t in enumerate((1e-38, 0.0))]
+    out = sample(logits.clone(), seqs)
+    assert out.token_ids == logits.argmax(dim=-1).tolist() and all(math.isfinite(lp) for lp in out.logprobs)
 
 
 def test_requests_that_cannot_fit_are_refused(engine):

@@ -28,18 +28,19 @@ pytestmark = pytest.mark.slow
 
 
 class ServeProcess:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, preexec_fn=None):
         demo_paths()  # written once, before the child reads the same cache
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service", "--no-compile", "--port", "0", "--http-port", "0", "--max-batch-size", "2",
              "--max-seq-len", "256", "--max-loras-per-batch", "1", *args],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=preexec_fn,
         )
         self._ready = threading.Event()
         self.port: int | None = None
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)  # ends with the process's output
+        self.reader.start()
         if not self._ready.wait(90):
             self.proc.kill()
             raise AssertionError("server never became ready:\n" + "".join(self.lines))

@@ -10,7 +10,9 @@ Policy (see docs/operations.md):
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,15 +44,40 @@ class SecurityConfig:
     admin_token: str | None = None   # bearer token for LoadAdapter / UnloadAdapter
     disable_adapter_management: bool = False
     tls: TlsConfig | None = None
+    # Host header names the HTTP door answers to (DNS rebinding): "*" any, "*.example.com" a domain; empty:
+    # chosen from --host and --api-token (service/http_api/hosts.py). Stored normalised (host_pattern).
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("api_token", "admin_token"):
             token = getattr(self, name)
             if token is not None and (not token or token != token.strip() or not token.isprintable()):
                 raise ValueError(f"{name} must be a non-empty printable string without surrounding spaces")
+        object.__setattr__(self, "allowed_hosts", tuple(host_pattern(h) for h in self.allowed_hosts))
 
     def management_is_open(self) -> bool:
         return not self.disable_adapter_management and self.admin_token is None and self.api_token is None
+
+
+_NAME = re.compile(r"(\*\.)?[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")  # (_: container names)
+
+
+def host_pattern(value: str) -> str:
+    """An --allowed-hosts entry as Host headers are matched: lower case, IPv6 without brackets, no trailing dot.
+    ValueError, saying why, for anything else (a port, a URL, a wildcard inside a name)."""
+    host = value.strip().lower()
+    if host == "*":
+        return host
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    name = host.removesuffix(".")
+    if not _NAME.fullmatch(name) or len(name) > 253:
+        raise ValueError(f"allowed host {value!r} is not a host name, an IP address, '*.domain' or '*' (give names "
+                         "without a scheme or port: any port is accepted)")
+    return name
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

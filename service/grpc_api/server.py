@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lora_compile import Engine
 from service._proto import pb, pb_grpc
+from service.connections import ConnectionLimits, raise_open_files_limit
 from service.grpc_api.interceptors import ErrorInterceptor, ServingState
 from service.grpc_api.security import AuthInterceptor, SecurityConfig
 from service.grpc_api.servicers import AdaptersServicer, GenerationServicer
@@ -50,6 +51,7 @@ class ServerConfig:
     grace_period_s: float = 30.0  # drain: how long in-flight streams may take to finish
     limits: RequestLimits = RequestLimits()      # queue, prompt / new tokens, streams, message size, slow readers
     security: SecurityConfig = SecurityConfig()  # tokens, adapter management, TLS (both doors)
+    connections: ConnectionLimits = ConnectionLimits()  # open connections, idle / header timeouts (both doors)
     # The OpenAI-compatible HTTP door on `host` (service/http_api/); None: off, 0: any free port.
     # (`lora-serve --http-port` defaults to DEFAULT_HTTP_PORT; 0 there means off.)
     http_port: int | None = None
@@ -88,7 +90,8 @@ class LoraServer:
             options=[("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
                      ("grpc.max_receive_message_length", config.limits.max_message_bytes),
                      *([("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)]
-                       if config.limits.max_streams_per_connection else [])],
+                       if config.limits.max_streams_per_connection else []),
+                     *config.connections.grpc_options(doors=self.doors)],
         )
         self.generation = GenerationServicer(self.runner, config.limits, config.replica_id)
         pb_grpc.add_GenerationServicer_to_server(self.generation, self._server)
@@ -106,10 +109,16 @@ class LoraServer:
             state=lambda: self.state, metrics=self.metrics, max_body_bytes=self.config.limits.max_message_bytes,
             chat_template=load_chat_template(self.runner.model_dir),
             tracer=HttpTracer(self.telemetry, self.observer) if self.telemetry is not None else None,
-            replica_id=self.config.replica_id)
+            replica_id=self.config.replica_id, host=self.config.host)
         if door.chat_template is None:
             log.info("the model has no chat template: /v1/chat/completions answers 400")
-        return HttpServer(create_app(door), self.config.host, self.config.http_port, self.config.security.tls)
+        return HttpServer(create_app(door), self.config.host, self.config.http_port, self.config.security.tls,
+                          self.config.connections)
+
+    @property
+    def doors(self) -> int:
+        """Listening doors, which share the file-handle budget: gRPC, and HTTP when on."""
+        return 1 + (self.config.http_port is not None)
 
     @property
     def address(self) -> str:
@@ -185,11 +194,17 @@ class LoraServer:
 async def serve(engine: Engine, config: ServerConfig, on_ready: Callable[[LoraServer], None] | None = None,
                 telemetry: Telemetry | None = None) -> bool:
     """Run until SIGTERM/SIGINT, then drain. Returns True if the drain was clean."""
+    before, after = raise_open_files_limit()  # (before the doors derive their connection caps from it)
+    if after > before:
+        log.info("file-handle limit raised from %d to %d (the hard limit)", before, after)
     server = LoraServer(engine, config, telemetry)
     await server.start()
     if config.security.management_is_open() and config.host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
         log.warning("adapter management (LoadAdapter/UnloadAdapter) is open to anyone who can reach %s; "
                     "set --admin-token or --disable-adapter-management", server.address)
+    log.info("connections: %s", config.connections.describe(server.doors))
+    if warning := config.connections.overcommitted(server.doors):
+        log.warning("%s", warning)
     compiling = " (compiling the model's graphs; a cold start can take minutes)"
     log.info("listening on %s; warming up%s...", server.address, compiling if server.runner.model_info().compiled else "")
     try:

@@ -4,6 +4,7 @@ own `prepare` (tokenizing, every limit, the adapter check) into the same EngineR
 validation, limits, errors and the batch."""
 from __future__ import annotations
 
+import email.message
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from service.grpc_api.servicers import GenerationServicer
 from service.http_api import convert
 from service.http_api.chat_template import ChatTemplate, ChatTemplateError
 from service.http_api.errors import HttpError, classify, error_body, error_response
+from service.http_api.hosts import HostCheck, HostPolicy
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest
 from service.http_api.sse import DONE, EventStream, event, until_disconnect
 from service.runner.request import GenerationRequest, RequestOutput
@@ -57,27 +59,36 @@ class HttpDoor:
     chat_template: ChatTemplate | None = None
     tracer: HttpTracer | None = None
     replica_id: str = ""  # x-replica-id on every response ("" : none)
+    host: str = "127.0.0.1"  # the address it listens on (--host): the Host names it answers to follow from it
 
 
 def create_app(door: HttpDoor) -> FastAPI:
-    app = FastAPI(title="lora-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # No trailing-slash redirects: Starlette builds their Location from the Host header; "/v1/models/" is a 404.
+    app = FastAPI(title="lora-serve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     routes = _Routes(door)
-    app.add_api_route("/health", routes.health, methods=["GET"])
-    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET", "HEAD"])  # (HEAD: probes that send it)
+    app.add_api_route("/metrics", routes.metrics, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET", "HEAD"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
 
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, method
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, method
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), code), status_code=exc.status_code)
+        message, headers = str(exc.detail), dict(exc.headers or {})
+        if exc.status_code == 405 and "Allow" in headers:  # (Starlette lists a set: sorted, for stable answers)
+            headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))
+            message = f"{message}: {request.url.path} takes {headers['Allow']}, not {request.method}"
+        return JSONResponse(error_body(exc.status_code, message, code), status_code=exc.status_code, headers=headers)
 
     async def any_error(_request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, any_error)
-    if door.replica_id:
+    hosts = HostPolicy.for_server(door.security, door.host)
+    if not hosts.allows_any:
+        app.add_middleware(HostCheck, policy=hosts)
+    if door.replica_id:  # (added last: outermost, so refusals carry it too)
         app.add_middleware(ReplicaHeader, replica_id=door.replica_id)
     return app
 
@@ -147,6 +158,7 @@ class _Routes:
             if (state := self.door.state()) is not ServingState.SERVING:
                 raise Unavailable(f"server is {state.value}; retry later" if state is ServingState.WARMING_UP
                                   else "server is draining (shutting down); retry on another replica")
+            _require_json(request.headers.get("content-type"))
             body = model.model_validate_json(await self._read_body(request))
             chat = isinstance(body, ChatCompletionRequest)
             bad = convert.unsupported_fields(body)
@@ -159,8 +171,8 @@ class _Routes:
                 tracer.record_request(call, msg)
             try:
                 req = await self.door.generation.prepare(msg)
-            except InvalidArgument as e:
-                raise convert.openai_violations(e, "messages" if chat else "prompt") from None
+            except Exception as e:  # noqa: BLE001 - refusals of a field, named as the OpenAI client names it
+                raise convert.openai_error(e, "messages" if chat else "prompt") from None
             state = self.runner.add_request(req)
         except Exception as exc:  # noqa: BLE001 - every refusal is an OpenAI error body
             response = error_response(exc)
@@ -229,7 +241,7 @@ class _Routes:
         try:
             text = template.render(messages, body.add_generation_prompt, body.chat_template_kwargs)
         except ChatTemplateError as e:
-            raise InvalidArgument([FieldViolation("messages", f"the model's chat template refused them: {e}")]) from None
+            raise InvalidArgument([FieldViolation("messages", str(e))]) from None
         # The template writes the special tokens itself (BOS...): tokenized without adding them again.
         ids = await self.door.generation.encode(text, add_special_tokens=False)
         return convert.generate_request(body, adapter, rid, token_ids=ids)
@@ -329,6 +341,22 @@ class _Responder:
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [choice]}
+
+
+def _require_json(content_type: str | None) -> None:
+    """415 unless the body is declared JSON (application/json or application/*+json, UTF-8), as FastAPI reads
+    bodies, except that a missing Content-Type is refused too: a page on another origin can POST text/plain, a
+    form or an untyped body without the browser asking first, and a JSON type needs that permission."""
+    message = email.message.Message()
+    message["content-type"] = content_type or ""
+    subtype = message.get_content_subtype()
+    charset = message.get_content_charset() or "utf-8"
+    if (content_type and message.get_content_maintype() == "application" and (subtype == "json" or
+            subtype.endswith("+json")) and charset.replace("-", "") == "utf8"):
+        return
+    got = f"Content-Type {content_type[:100]!r}" if content_type else "no Content-Type"
+    raise HttpError(415, grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request body must be JSON: send the header 'Content-Type: application/json' (got {got})")
 
 
 def _too_large(size: int, limit: int) -> HttpError:

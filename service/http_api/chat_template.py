@@ -3,8 +3,10 @@ ImmutableSandboxedEnvironment (a template cannot reach Python internals or mutat
 and lstrip_blocks, `raise_exception` for templates that refuse a conversation, loop controls."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +15,42 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = logging.getLogger(__name__)
+MAX_QUOTED = 300  # characters of a template's own text (or a name) quoted in a message
 
 
 class ChatTemplateError(ValueError):
-    """The template refused the conversation (raise_exception) or failed to render it."""
+    """The template refused the conversation (raise_exception) or failed to render it. The message is ours (it
+    names the message and field where that can be told, or quotes the template's own raise_exception text):
+    never jinja2's or Python's wording, which would show the server's internals."""
+
+
+class _Refused(Exception):
+    """The template called raise_exception(text)."""
+
+
+class _Missing(Exception):
+    """An operation in the template needed a value that is not there (`name` of `obj`, or a variable)."""
+
+    def __init__(self, obj: Any, name: Any, message: str = ""):
+        super().__init__(message)
+        self.obj, self.name = obj, name
+
+
+class _Undefined(jinja2.Undefined):
+    """jinja2's default (as transformers renders): a missing value renders as nothing, until an operation needs it;
+    then it raises _Missing, which says which value it was (jinja2's operators all raise `exc`)."""
+
+    __slots__ = ()
+
+    def __init__(self, hint: str | None = None, obj: Any = jinja2.utils.missing, name: str | None = None,
+                 exc: Any = None):
+        if exc is None or exc is jinja2.exceptions.UndefinedError:  # (the sandbox passes SecurityError: kept)
+            exc = functools.partial(_Missing, obj, name)
+        super().__init__(hint, obj, name, exc=exc)
 
 
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise _Refused(str(message))
 
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
@@ -29,7 +59,8 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols],
+                                            undefined=_Undefined)
         env.filters["tojson"] = _tojson  # transformers' version: no HTML escaping
         env.globals["raise_exception"] = _raise_exception
         self._template = env.from_string(source)
@@ -40,10 +71,46 @@ class ChatTemplate:
         try:
             return self._template.render(**(extra or {}), **self._special, messages=messages,
                                          add_generation_prompt=add_generation_prompt)
-        except jinja2.exceptions.TemplateError as e:
-            raise ChatTemplateError(str(e)) from e
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # a message the template
-            raise ChatTemplateError(f"{type(e).__name__}: {e}") from e           # did not expect
+        except _Refused as e:
+            raise ChatTemplateError(f"the model's chat template refused them: {str(e)[:MAX_QUOTED]}") from None
+        except _Missing as e:
+            raise ChatTemplateError(_missing(e, messages)) from None
+        except Exception as e:  # noqa: BLE001 - whatever the template's code raised on these messages
+            log.debug("chat template failed: %s: %s", type(e).__name__, e)  # (the operator's detail, not the client's)
+            what = ("an operation its sandbox forbids" if isinstance(e, jinja2.exceptions.SecurityError)
+                    else "a value it does not handle")
+            raise ChatTemplateError(f"the model's chat template cannot render them: it failed on {what} (check "
+                                    "each message's role and content, and chat_template_kwargs)") from None
+
+
+def _missing(e: _Missing, messages: list[dict[str, Any]]) -> str:
+    """Which value the template needed: a field of a message (or of a part of one), or a variable."""
+    name = repr(e.name)[:MAX_QUOTED]
+    if e.obj is jinja2.utils.missing:
+        return (f"the model's chat template needs the variable {name}, which the request does not set (template "
+                "variables come from chat_template_kwargs)")
+    where = _path_to(e.obj, messages)
+    if where is None:
+        return f"the model's chat template needs {name} of a value that does not have it"
+    if isinstance(e.name, int):
+        return f"the model's chat template needs {where}[{e.name}], which the request does not have"
+    index = re.match(r"messages\[(\d+)\]", where)
+    role = f" (a message with role {str(messages[int(index[1])].get('role'))[:64]!r})" if index else ""
+    return f"the model's chat template needs {name} in {where}{role}, which it does not have"
+
+
+def _path_to(target: Any, value: Any, path: str = "messages", depth: int = 4) -> str | None:
+    """Where `target` (the object itself, not an equal one) sits in the messages, e.g. messages[2].tool_calls[0]."""
+    if value is target:
+        return path
+    if depth == 0:
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _path_to(target, item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}", depth - 1)
+        if found is not None:
+            return found
+    return None
 
 
 def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:

@@ -7,12 +7,16 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
+from lora_compile.errors import AdapterNameError, AdapterPathError
 from service._proto import pb
 from service.affinity import (
     ADAPTER_ID_HEADER as ADAPTER_HEADER,  # must agree with `model` (gRPC: `adapter`)
 )
-from service.errors import FieldViolation, InvalidArgument
+from service.errors import FieldViolation, InvalidArgument, NotFound
 from service.grpc_api.validation import MAX_NAME_CHARS
+from service.http_api.errors import HttpError
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from service.runner.request import RequestOutput
 
@@ -90,6 +94,19 @@ def generate_request(body: _Common, adapter: str, request_id: str, *, text: str 
         msg.response.logprobs = body.logprobs or bool(body.top_logprobs)
         msg.response.top_logprobs = body.top_logprobs or 0
     return msg
+
+
+def openai_error(exc: Exception, prompt_param: str) -> Exception:
+    """The refusal the shared validation raised, with `param` naming the field as the OpenAI client named it:
+    violations renamed, and a refused adapter name (unknown, or not a possible adapter directory entry) is
+    `model`'s."""
+    if isinstance(exc, (AdapterNameError, AdapterPathError)):  # (gRPC: INVALID_ARGUMENT on `adapter`)
+        exc = InvalidArgument([FieldViolation("adapter", str(exc))])
+    if isinstance(exc, InvalidArgument):
+        return openai_violations(exc, prompt_param)
+    if isinstance(exc, NotFound) and exc.resource_type == "adapter":
+        return HttpError(404, grpc.StatusCode.NOT_FOUND, str(exc), param=_PARAM["adapter"])
+    return exc
 
 
 def openai_violations(exc: InvalidArgument, prompt_param: str) -> InvalidArgument:

@@ -30,12 +30,13 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 }
 # OpenAI's error types, by HTTP status.
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
+               431: "invalid_request_error", 503: "service_unavailable_error"}
 
 
 class HttpError(ServiceError):
-    """A mistake only HTTP can make (a body that is not JSON, or too large), with its own HTTP status."""
+    """A mistake only HTTP can make (a body too large or not declared JSON), with its own HTTP status."""
 
     def __init__(self, status: int, code: grpc.StatusCode, message: str, param: str | None = None):
         self.status, self.code, self.param = status, code, param

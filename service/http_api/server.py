@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -15,9 +16,13 @@ from collections.abc import Generator
 
 import uvicorn
 
+from service.connections import ConnectionLimits, install_accept_error_handler
 from service.grpc_api.security import TlsConfig
+from service.http_api.h11_guard import DoorGuard, GuardedH11Protocol
 
 log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 2048  # connections the kernel queues for accept()
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -37,7 +42,7 @@ def bind(host: str, port: int) -> socket.socket:
         if family == socket.AF_INET6 and host in ("::", ""):
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(address)
-        sock.listen(2048)
+        sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)
     except OSError:
         sock.close()
@@ -46,8 +51,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, tls: TlsConfig | None = None):
+    def __init__(self, app, host: str, port: int, tls: TlsConfig | None = None,
+                 connections: ConnectionLimits = ConnectionLimits()):
         self._app, self._host, self._requested_port, self._tls = app, host, port, tls
+        self._limits = connections
+        self.guard = DoorGuard(max_connections=connections.per_door(doors=2),  # (beside the gRPC door)
+                               header_timeout_s=connections.header_timeout_s,
+                               max_head_bytes=connections.h11_max_incomplete_event_size)
+        self._restore_handler = None
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
         self.port: int | None = None
@@ -55,13 +66,21 @@ class HttpServer:
     async def start(self) -> int:
         sock = bind(self._host, self._requested_port)
         self.port = sock.getsockname()[1]
-        tls = self._tls
+        tls, limits = self._tls, self._limits
         config = uvicorn.Config(
             self._app, lifespan="off", log_config=None, access_log=False, timeout_graceful_shutdown=1,
+            # uvicorn's h11 protocol with the cap, head deadline and 431 (h11_guard.py); pinned, not "auto".
+            http=functools.partial(GuardedH11Protocol, guard=self.guard),
+            timeout_keep_alive=limits.timeout_keep_alive_s,  # (typed int by uvicorn; any delay works)
+            h11_max_incomplete_event_size=limits.h11_max_incomplete_event_size,
+            # asyncio accepts up to `backlog` connections per loop turn, and passes it to listen() as well
+            # (the listen queue is set back below).
+            backlog=limits.accept_batch(),
             ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None,
             ssl_ca_certs=tls.client_ca_file if tls else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.client_ca_file else ssl.CERT_NONE)
         self._server = _EmbeddedServer(config)
+        self._restore_handler = install_accept_error_handler(asyncio.get_running_loop())
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-server")
         while not self._server.started:  # the listener is up within a loop turn or two
             if self._task.done():
@@ -69,6 +88,7 @@ class HttpServer:
                 self._task.result()  # raises what stopped it
                 raise OSError(f"the HTTP server on {self._host}:{self.port} stopped at start")
             await asyncio.sleep(0.005)
+        sock.listen(LISTEN_BACKLOG)  # (a second listen() sets the queue's length again)
         return self.port
 
     async def stop(self) -> None:
@@ -84,3 +104,5 @@ class HttpServer:
         except BaseException:  # noqa: BLE001 - uvicorn's SystemExit on a failed start: already logged
             pass
         await asyncio.gather(self._task, return_exceptions=True)
+        if self._restore_handler is not None:
+            self._restore_handler()

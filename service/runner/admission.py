@@ -16,8 +16,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from lora_compile import Engine
-from lora_compile.errors import AdapterError, AdapterNotFoundError
-from service.errors import FailedPrecondition
+from lora_compile.errors import AdapterError, AdapterNotFoundError, AdapterNotReadyError, AdapterOutputError
+from service.errors import EngineFailure, FailedPrecondition
 from service.runner.request import RequestEventType
 
 if TYPE_CHECKING:
@@ -28,8 +28,17 @@ def load_error(name: str, exc: BaseException, registered: bool) -> Exception:
     """The status of a request whose adapter cannot be read (bad or changed files); NOT_FOUND passes through."""
     if isinstance(exc, AdapterNotFoundError) or not isinstance(exc, AdapterError):
         return exc  # type: ignore[return-value]
+    if isinstance(exc, AdapterOutputError):  # read fine, but refused since it overflowed at run time
+        return FailedPrecondition(str(exc))
     verb = "can no longer be loaded" if registered else "cannot be loaded"
     return FailedPrecondition(f"adapter {name!r} {verb}: {exc}")
+
+
+def step_error(state: RequestState, failed: dict[str, AdapterOutputError]) -> Exception:
+    """The status of a request its step ended (non-finite values): FAILED_PRECONDITION when its adapter was found
+    bad (every request using it ends so), else the engine's own failure (INTERNAL)."""
+    exc = failed.get(state.request.adapter)
+    return FailedPrecondition(str(exc)) if exc is not None else EngineFailure(state.seq.error)
 
 
 def start_load(engine: Engine, state: RequestState, on_done: Callable[[Future], None]) -> bool:
@@ -85,7 +94,14 @@ def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
             continue  # no slot for it either / the bound is reached: wait for the blocked request
         admit_ns = time.time_ns()
         try:
-            ok = engine.try_admit(state.seq)
+            ok = engine.try_admit(state.seq, read_adapter=False)  # adapters are read on the loader, not here
+        except AdapterNotReadyError:  # evicted from host memory since start_load: read again; it keeps its place
+            try:
+                if not start_load(engine, state, on_load_done):
+                    on_load_done(None)  # back in host memory already: wake the runner for another try
+            except Exception as exc:  # noqa: BLE001
+                rejected.append((state, exc))
+            continue
         except Exception as exc:  # noqa: BLE001 - e.g. the adapter was unloaded while it waited
             rejected.append((state, load_error(name, exc, manager.is_registered(name)) if name else exc))
             continue

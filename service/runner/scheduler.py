@@ -27,7 +27,7 @@ from lora_compile.errors import AdapterError
 from lora_compile.lora_manager import AdapterInfo
 from service.errors import EngineFailure, QueueFull, TooManyStreams, Unavailable
 from service.limits import RequestLimits
-from service.runner.admission import admit, load_error, start_load
+from service.runner.admission import admit, load_error, start_load, step_error
 from service.runner.output import OutputProcessor
 from service.runner.reports import IterationResult, RunnerObserver, SchedulerStats
 from service.runner.request import GenerationRequest, ModelInfo, RequestEventType
@@ -352,13 +352,15 @@ class EngineRunner:
                 self._to_release.append(state.seq)
             return
         end_ns = result.step.end_ns if result.step is not None else 0
+        failed = result.step.failed_adapters if result.step is not None else {}
         for state in result.stepped:
             if len(state.seq.output_ids) == 1:  # at most one token per step: this step sampled the first
                 state.record_event(RequestEventType.FIRST_TOKEN, end_ns)
             if state.aborted:
                 continue  # swept (and released) next iteration
-            if state.seq.finish_reason == "error":  # e.g. non-finite logits: this request alone fails
-                state.finish_with(EngineFailure(state.seq.error))
+            # Non-finite logits: this request fails, and so does every one whose adapter was found bad.
+            if state.seq.finish_reason == "error" or state.request.adapter in failed:
+                state.finish_with(step_error(state, failed))
                 self._running.remove(state)
                 self._to_release.append(state.seq)
                 continue
