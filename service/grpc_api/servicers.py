@@ -141,10 +141,8 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
         if self._runner.adapter_users(request.name):
             raise FailedPrecondition(f"adapter {request.name!r} is in use by in-flight requests; "
                                      "it cannot be replaced now")
-        try:
-            info = await self._runner.load_adapter(request.name, request.path)
-        except OSError as e:  # e.g. a name too long for the filesystem, or no permission to read
-            raise FailedPrecondition(f"cannot read adapter directory {request.path!r}: {e.strerror or e}") from e
+        # (An unreadable path is an AdapterError from load_adapter: FAILED_PRECONDITION, docs/errors.md L06.)
+        info = await self._runner.load_adapter(request.name, request.path)
         log.info("loaded adapter %s from %s (rank %d)", info.name, info.path, info.rank)
         return pb.LoadAdapterResponse(adapter=self._info(info))
 
