@@ -1,14 +1,18 @@
-"""Why compiled decode attention is written as two reductions, keys innermost: one layer's decode attention, with
-the rotary embedding of its queries, compiled as the engine compiles it (sizes dynamic, traced at a small step), in
-the form the engine uses (lora_compile.model.attend_decode) and in the forms it replaced, side by side.
+"""Why compiled decode attention is written as two reductions, keys innermost, reading K/V through block tables:
+one layer's decode attention, with the rotary embedding of its queries, compiled as the engine compiles it (sizes
+dynamic, traced at a small step), in the form the engine uses (lora_compile.model.attend_decode) and in the forms
+it replaced, side by side.
 
     python -m benchmarks.attention [--batches 8 32] [--keys 80 200] [--rounds 7]
 
-SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), float32, a KV cache of 33 slots x 256
-positions; each sequence reads `keys` cached positions from its own (shuffled) slot. The bmm form gathers every
-sequence's K into a (B, Hkv, D, S) copy and V into (B, Hkv, S, D) before two bmm calls; the reduction forms read
-both from the cache by slot inside Inductor's loops, with scores laid out (B, Hkv, G, S) (keys innermost, the
-engine's) or (B, S, Hkv, G) (keys outermost, before). Prints microseconds per call (medians of interleaved rounds).
+SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), float32. The same K/V held two ways: as
+the slot cache before paging (33 slots x 256 positions, each sequence in its own shuffled slot) and as a paged
+pool of 16-token blocks (the same blocks, shuffled; each sequence's block table lists its). Each sequence reads
+`keys` cached positions. The bmm form gathers every sequence's K into a (B, Hkv, D, S) copy and V into
+(B, Hkv, S, D) before two bmm calls; the reduction forms read both inside Inductor's loops, with scores laid out
+(B, Hkv, G, S) (keys innermost, the engine's) or (B, S, Hkv, G) (keys outermost, before). "slots" is the engine's
+form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). Prints microseconds per call (medians of
+interleaved rounds).
 """
 from __future__ import annotations
 
@@ -19,28 +23,71 @@ import torch
 from benchmarks.common import interleaved, per_call_us
 from lora_compile import compile_policy
 from lora_compile.layers import apply_rotary
-from lora_compile.model import attend, attend_decode
+from lora_compile.model import attend, attend_decode, kv_rows
 
-HKV, GROUP, HEAD_DIM, SLOTS, MAX_LEN = 3, 3, 64, 33, 256
+HKV, GROUP, HEAD_DIM, SLOTS, MAX_LEN, BLOCK = 3, 3, 64, 33, 256, 16
 
 
-def keys_outermost(q, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, scale, window):
+def keys_outermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
     """attend_decode as it was: scores (B, S, Hkv, G), the softmax across keys at a stride of Hkv * G."""
     batch, s = token_idx.shape[0], key_pos.shape[0]
+    rows = kv_rows(block_table, key_pos, k_cache.shape[1])
     qb = q[token_idx].view(batch, 1, HKV, GROUP, HEAD_DIM).float()
-    scores = (qb * k_cache[kv_slots, :s][:, :, :, None, :].float()).sum(-1) * scale
+    scores = (qb * k_cache.view(-1, HKV, HEAD_DIM)[rows][:, :, :, None, :].float()).sum(-1) * scale
     visible = key_pos[None, :] <= q_pos[:, None]
     probs = torch.softmax(scores.masked_fill(~visible[:, :, None, None], float("-inf")), dim=1).to(q.dtype)
-    v = v_cache[kv_slots, :s].masked_fill(~visible[:, :, None, None], 0)
+    v = v_cache.view(-1, HKV, HEAD_DIM)[rows].masked_fill(~visible[:, :, None, None], 0)
     return (probs[..., None] * v[:, :, :, None, :]).sum(1).reshape(batch, HKV * GROUP * HEAD_DIM)
 
 
-def bmm_form(q, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, scale, window):
-    return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], kv_slots, key_pos, scale, window)
+def slots(q, _k, _v, token_idx, q_pos, _table, key_pos, scale, window, slot_k, slot_v, kv_slots):
+    """The engine's decode attention before paging: K/V read from each sequence's slot."""
+    batch, s = token_idx.shape[0], key_pos.shape[0]
+    qb = q[token_idx].view(batch, HKV, GROUP, 1, HEAD_DIM).float()
+    k = slot_k[kv_slots, :s].permute(0, 2, 1, 3)[:, :, None]
+    scores = (qb * k.float()).sum(-1) * scale
+    visible = key_pos[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    v = slot_v[kv_slots, :s].masked_fill(~visible[:, :, None, None], 0)
+    out = (probs[..., None] * v.permute(0, 2, 1, 3)[:, :, None]).sum(3)
+    return out.reshape(batch, HKV * GROUP * HEAD_DIM)
 
 
-FORMS = {"keys innermost (engine)": attend_decode, "keys outermost (before)": keys_outermost,
-         "gather + bmm (first)": bmm_form}
+def engine_form(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
+    return attend_decode(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window)
+
+
+def bmm_form(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
+    return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], block_table, key_pos, scale, window)
+
+
+FORMS = {"paged, keys innermost (engine)": engine_form, "slots, keys innermost (before paging)": slots,
+         "paged, keys outermost": keys_outermost, "paged, gather + bmm": bmm_form}
+
+
+def make_inputs(batch: int, keys: int, gen: torch.Generator):
+    slot_k = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
+    slot_v = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
+    per_slot = MAX_LEN // BLOCK
+    # The same blocks in a shuffled pool: pool block perm[i] holds slot block i.
+    perm = torch.randperm(SLOTS * per_slot, generator=gen)
+    k_pool, v_pool = torch.empty(SLOTS * per_slot, BLOCK, HKV, HEAD_DIM), torch.empty(SLOTS * per_slot, BLOCK, HKV, HEAD_DIM)
+    k_pool[perm], v_pool[perm] = slot_k.view(-1, BLOCK, HKV, HEAD_DIM), slot_v.view(-1, BLOCK, HKV, HEAD_DIM)
+    q = torch.randn(batch + 1, HKV * GROUP, HEAD_DIM, generator=gen)  # + the step's dummy token
+    cos, sin = torch.randn(batch + 1, HEAD_DIM, generator=gen), torch.randn(batch + 1, HEAD_DIM, generator=gen)
+    token_idx = torch.arange(batch)
+    q_pos = torch.full((batch,), keys - 1)
+    kv_slots = torch.randperm(SLOTS - 1, generator=gen)[:batch]
+    width = max(2, -(-keys // BLOCK))
+    block_table = perm.view(SLOTS, per_slot)[kv_slots, :width].contiguous()
+    key_pos = torch.arange(keys)
+    args = (q, cos, sin, k_pool, v_pool, token_idx, q_pos, block_table, key_pos, HEAD_DIM ** -0.5, None,
+            slot_k, slot_v, kv_slots)
+    for i, dims in ((0, (0,)), (1, (0,)), (2, (0,)), (5, (0,)), (6, (0,)), (7, (0, 1)), (8, (0,)), (13, (0,))):
+        for d in dims:  # the engine's step-varying dims
+            torch._dynamo.mark_dynamic(args[i], d)
+    return args
 
 
 def with_rotary(form):
@@ -48,21 +95,6 @@ def with_rotary(form):
     def layer_attention(q, cos, sin, *rest):
         return form(apply_rotary(q, cos, sin), *rest)
     return layer_attention
-
-
-def make_inputs(batch: int, keys: int, gen: torch.Generator):
-    k_cache = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
-    q = torch.randn(batch + 1, HKV * GROUP, HEAD_DIM, generator=gen)  # + the step's dummy token
-    cos, sin = torch.randn(batch + 1, HEAD_DIM, generator=gen), torch.randn(batch + 1, HEAD_DIM, generator=gen)
-    token_idx = torch.arange(batch)
-    q_pos = torch.full((batch,), keys - 1)
-    kv_slots = torch.randperm(SLOTS - 1, generator=gen)[:batch]
-    key_pos = torch.arange(keys)
-    args = (q, cos, sin, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, HEAD_DIM ** -0.5, None)
-    for i in (0, 1, 2, 5, 6, 7, 8):  # the engine's step-varying dims
-        torch._dynamo.mark_dynamic(args[i], 0)
-    return args
 
 
 def compiled_forms() -> dict:
@@ -85,7 +117,7 @@ def measure(forms: dict, batch: int, keys: int, rounds: int) -> None:
     us = interleaved({name: per_call_us(lambda fn=fn: fn(*args), calls) for name, fn in forms.items()}, rounds)
     print(f"\nbatch {batch}, {keys} keys: us per call")
     for name, value in us.items():
-        print(f"  {name:24s} {value:8.1f}")
+        print(f"  {name:38s} {value:8.1f}")
 
 
 def main() -> None:

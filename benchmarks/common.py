@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -125,6 +128,83 @@ def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], ste
         for s in seqs:
             engine.release(s)
     return elapsed / steps, init / steps
+
+
+# (prompt ids, adapter or None, max new tokens): one request of a load
+RequestSpec = tuple[list[int], str | None, int]
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    running: int     # sequences the step ran (preempted ones excluded)
+    waiting: int     # requests arrived and not running (preempted ones included)
+    kv_usage: float  # engine.kv_cache.usage after the step
+
+
+@dataclass
+class Replay:
+    ttft: list[float]                 # per request: seconds from its arrival to its first token
+    duration: float                   # seconds from the start to the last token
+    output_tokens: int
+    steps: list[StepRecord] = field(default_factory=list)
+    preemptions: int = 0              # the engine's, during the run
+    cached_tokens: int = 0            # prompt tokens served from the prefix cache (first admissions)
+    prompt_tokens: int = 0
+
+    def mean_running(self, at_load: bool = False) -> float:
+        """Sequences running, averaged over time (each step weighted by its duration); at_load: over the steps
+        while some request waited, i.e. while more work was there than ran."""
+        steps = [s for s in self.steps if s.waiting or not at_load]
+        total = sum(s.seconds for s in steps)
+        return sum(s.running * s.seconds for s in steps) / total if total else float("nan")
+
+
+def replay(engine: Engine, specs: list[RequestSpec], times: list[float]) -> Replay:
+    """The requests arriving at `times` (seconds from the start, ascending) through the bare engine, in this
+    thread (the engine's): before every step each arrived request is admitted while it fits, first come first
+    served, preempted ones first in line again (what a scheduler at best does, with no RPC and no other thread).
+    Greedy, ignore_eos: every request produces its max new tokens."""
+    seqs = [Sequence(i, list(p), SamplingParams(max_new_tokens=n, ignore_eos=True), a)
+            for i, (p, a, n) in enumerate(specs)]
+    waiting: deque[Sequence] = deque()
+    running: list[Sequence] = []
+    ttft = [math.nan] * len(seqs)
+    steps: list[StepRecord] = []
+    arrived, preemptions0 = 0, engine.num_preemptions
+    t0 = time.perf_counter()
+    try:
+        while arrived < len(seqs) or waiting or running:
+            now = time.perf_counter() - t0
+            if not running and not waiting and times[arrived] > now:
+                time.sleep(times[arrived] - now)
+            while arrived < len(seqs) and times[arrived] <= time.perf_counter() - t0:
+                waiting.append(seqs[arrived])
+                arrived += 1
+            while waiting and engine.try_admit(waiting[0]):
+                running.append(waiting.popleft())
+            if not running:
+                if waiting:
+                    raise RuntimeError(f"request {waiting[0].seq_id} cannot be admitted with nothing running")
+                continue
+            t_step = time.perf_counter()
+            out = engine.step(running)
+            now = time.perf_counter() - t0
+            if out.preempted:  # back to the front of the line, oldest first (as Engine.generate does)
+                gone = set(out.preempted)
+                waiting.extendleft(reversed([q for q in running if q.seq_id in gone]))
+                running = [q for q in running if q.seq_id not in gone]
+            for seq_id in out.seq_ids:
+                if math.isnan(ttft[seq_id]):
+                    ttft[seq_id] = now - times[seq_id]
+            steps.append(StepRecord(now - (t_step - t0), len(running), len(waiting), engine.kv_cache.usage))
+            engine.release_finished(running)
+    finally:
+        for seq in running:
+            engine.release(seq)
+    return Replay(ttft, time.perf_counter() - t0, sum(len(s.output_ids) for s in seqs), steps,
+                  engine.num_preemptions - preemptions0, sum(s.num_cached_tokens for s in seqs),
+                  sum(len(s.prompt_ids) for s in seqs))
 
 
 def interleaved(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:

@@ -108,11 +108,12 @@ def wait_until_idle(root: int, window_s: float = 0.25, busy_share: float = 0.05,
 
 
 class VllmWorker:
-    def __init__(self, venv: Path, model: Path, adapter_root: Path, mode: str, threads: int):
+    def __init__(self, venv: Path, model: Path, adapter_root: Path, mode: str, threads: int, max_model_len: int = 512):
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
                    OMP_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), str(model), str(adapter_root), mode],
+        self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), str(model), str(adapter_root), mode,
+                                      str(max_model_len)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.idle_waits: list[float] = []
         for line in self.proc.stdout:
@@ -121,16 +122,27 @@ class VllmWorker:
         else:
             raise RuntimeError(f"vLLM worker ({mode}) exited with {self.proc.wait()}")
 
-    def run(self, prompts, adapters, max_tokens) -> tuple[float, float, list[list[int]]]:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "adapters": adapters, "max_tokens": max_tokens}) + "\n")
+    def _ask(self, cmd: dict, key: str) -> dict:
+        """Send one command; its reply (the line that starts with `key`), once vLLM's processes are idle."""
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
-        while line and not line.startswith('{"seconds"'):  # vLLM logs to stdout too
+        while line and not line.startswith(f'{{"{key}"'):  # vLLM logs to stdout too
             line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"vLLM worker exited with {self.proc.wait()}")
-        reply = json.loads(line)
         self.idle_waits.append(wait_until_idle(self.proc.pid))  # before any other system is timed
+        return json.loads(line)
+
+    def replay(self, prompts, adapters, max_tokens, times) -> dict:
+        """The requests added at `times` (peer_vllm_worker.replay): {"ttft", "cached_tokens", "prompt_tokens"}."""
+        return self._ask({"prompts": prompts, "adapters": adapters, "max_tokens": max_tokens, "times": times}, "ttft")
+
+    def reset_prefix_cache(self) -> None:
+        self._ask({"reset_prefix_cache": True}, "reset")
+
+    def run(self, prompts, adapters, max_tokens) -> tuple[float, float, list[list[int]]]:
+        reply = self._ask({"prompts": prompts, "adapters": adapters, "max_tokens": max_tokens}, "seconds")
         if reply["decode_seconds"] is None:
             raise RuntimeError("vLLM gave no per-request timestamps (request stats off?)")
         return reply["seconds"], reply["decode_seconds"], reply["tokens"]

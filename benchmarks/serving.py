@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (LLAMA_1B, decode_step_time, random_checkpoint, register_adapters, smollm2_checkpoint,
-                               write_lora_adapters)
+from benchmarks.common import (LLAMA_1B, decode_step_time, random_checkpoint, register_adapters, replay,
+                               smollm2_checkpoint, write_lora_adapters)
 from service.client import AsyncLoraServeClient
 
 
@@ -119,34 +119,9 @@ def arrivals(args, adapters: list[str]) -> tuple[list[tuple[list[int], str | Non
 
 
 def replay_ttft(engine, specs: list[tuple[list[int], str | None, int]], times: list[float]) -> list[float]:
-    """The same requests arriving at the same times through the bare engine, in this thread: before every step
-    each arrived request is admitted while it fits (what a scheduler at best does, with no RPC, no queue and no
-    other thread). Returns each request's TTFT (s from its arrival)."""
-    from lora_compile import SamplingParams, Sequence
-
-    seqs = [Sequence(i, list(p), SamplingParams(max_new_tokens=n, ignore_eos=True), a)
-            for i, (p, a, n) in enumerate(specs)]
-    pending, running, ttft = list(range(len(seqs))), [], [0.0] * len(seqs)
-    t0 = time.perf_counter()
-    try:
-        while pending or running:
-            now = time.perf_counter() - t0
-            if not running and times[pending[0]] > now:
-                time.sleep(times[pending[0]] - now)
-            while pending and times[pending[0]] <= time.perf_counter() - t0 and engine.try_admit(seqs[pending[0]]):
-                running.append(seqs[pending.pop(0)])
-            if not running:
-                continue
-            out = engine.step(running)
-            now = time.perf_counter() - t0
-            for seq_id in out.seq_ids:
-                if len(seqs[seq_id].output_ids) == 1:
-                    ttft[seq_id] = now - times[seq_id]
-            engine.release_finished(running)
-    finally:
-        for seq in running:
-            engine.release(seq)
-    return ttft
+    """The same requests arriving at the same times through the bare engine (benchmarks.common.replay): each
+    request's TTFT (s from its arrival)."""
+    return replay(engine, specs, times).ttft
 
 
 async def one_http_request(client, prompt: list[int], adapter: str | None, max_new: int) -> RequestResult:

@@ -8,6 +8,7 @@ of its own, which slows every later engine step on few cores (service/runner/eng
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -49,6 +50,8 @@ class LoRAAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    # SHA-256 of the weights as served (B scaled): what the prefix cache keys this adapter's KV by, with its name.
+    digest: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -168,7 +171,18 @@ def _load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank
     if not pairs:
         raise AdapterError(f"adapter {name!r}: {weights_path} holds no LoRA weights")
     targets = tuple(m for m in LORA_TARGETS if any(m in layer for layer in weights))
-    return LoRAAdapter(name, directory, max_seen, alpha, use_rslora, targets, weights)
+    return LoRAAdapter(name, directory, max_seen, alpha, use_rslora, targets, weights, _digest(weights))
+
+
+def _digest(weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> bytes:
+    h = hashlib.sha256()
+    for i, layer in enumerate(weights):
+        for module in sorted(layer):
+            a, b = layer[module]
+            h.update(f"{i}.{module}:{tuple(a.shape)}{tuple(b.shape)}".encode())
+            h.update(a.numpy().tobytes())
+            h.update(b.numpy().tobytes())
+    return h.digest()
 
 
 @dataclass(frozen=True)

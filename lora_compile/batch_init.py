@@ -54,22 +54,30 @@ def _lora_slot(p: Planned) -> int:
     return p.seq.lora_slot
 
 
-# The buffer's columns, in order; each step fills them back to back and reads each back as a view by name.
-COLUMNS = ("input_ids", "positions", "slot_mapping", "decode_token_idx", "decode_q_pos", "decode_kv_slots",
-           "prefill_token_idx", "prefill_q_pos", "prefill_kv_slots", "out_idx", "weight_indices", "logits_idx")
+# The buffer's columns, in order; each step fills them back to back and reads each back as a view by name. The
+# decode block table, whose width follows the keys read, comes last but for logits_idx: a decode step's other
+# columns lie at offsets that depend on its row count alone (cached views; a CUDA graph's fixed addresses).
+COLUMNS = ("input_ids", "positions", "slot_mapping", "decode_token_idx", "decode_q_pos", "prefill_token_idx",
+           "prefill_q_pos", "out_idx", "weight_indices", "prefill_block_table", "decode_block_table", "logits_idx")
+_MATRICES = ("prefill_token_idx", "prefill_q_pos", "prefill_block_table", "decode_block_table")
+
+
+def table_width(keys: int, block_size: int) -> int:
+    """Blocks a group's block table lists to cover `keys` positions (>= 2: a dynamic dim, never specialised)."""
+    return max(2, -(-keys // block_size))
 
 
 class BatchInit:
     def __init__(self, config: EngineConfig, device: torch.device):
-        self.max_len = config.max_seq_len
         self.budget = config.max_num_batched_tokens
-        self.scratch_slot = config.max_batch_size  # the KV slot that absorbs padding tokens' writes
+        self.block_size = config.block_size
         max_tokens = config.max_num_batched_tokens + 1
         self.arange = torch.arange(max(config.max_seq_len, max_tokens), device=device)
-        rows = config.max_batch_size + 2
-        # Per token: ids, positions, slot_mapping, out_idx, weight_indices; per sequence: decode index, position
-        # and KV slot, prefill KV slot, sampled row; per prefill row: token index and position of each column.
-        capacity = 5 * max_tokens + 5 * rows + 2 * rows * max_tokens + 64
+        rows = config.max_num_seqs + 2
+        width = table_width(config.max_seq_len, config.block_size)
+        # Per token: ids, positions, slot_mapping, out_idx, weight_indices; per sequence: decode index and
+        # position, sampled row; per prefill row: token index and position of each column; block tables.
+        capacity = 5 * max_tokens + 3 * rows + 2 * rows * max_tokens + 2 * rows * width + 64
         self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.device_buf = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
         self.np = self.host.numpy()
@@ -82,7 +90,7 @@ class BatchInit:
         for seq in seqs:  # one pass: each sequence's count read once (a decode step's whole plan is this loop)
             computed = seq.num_computed_tokens
             remaining = len(seq.prompt_ids) + len(seq.output_ids) - computed
-            assert seq.kv_slot is not None and remaining >= 1 and seq.finish_reason is None, "sequence not runnable"
+            assert seq.block_table and remaining >= 1 and seq.finish_reason is None, "sequence not runnable"
             if remaining == 1:
                 single.append(Planned(seq, computed, 1))
             else:
@@ -118,62 +126,78 @@ class BatchInit:
         if self.device_buf is not self.host:
             self.device_buf[:total].copy_(self.host[:total], non_blocking=True)  # the step's one host-to-device copy
 
+    def _fill_table(self, start: int, seqs: list[Sequence], n_rows: int, width: int) -> None:
+        """Block tables of `seqs` as an (n_rows, width) matrix at `start`; the rest is the null block."""
+        table = self.np[start:start + n_rows * width].reshape(n_rows, width)
+        table[:] = 0
+        for i, seq in enumerate(seqs):
+            blocks = seq.block_table[:width]
+            table[i, :len(blocks)] = blocks
+
     def _build_decode(self, single: list[Planned], merged: bool, graph: GraphShape | None) -> StepInputs:
         """A decode-only step, laid out as _build_general lays it out, with whole-column numpy writes. Padding rows
-        (up to graph.rows) and the dummy token decode token 0 at position 0 into the scratch slot."""
+        (up to graph.rows) and the dummy token decode token 0 at position 0 into the null block."""
         n = len(single)
         rows = graph.rows if graph is not None else n
         t, n_dec = rows + 1, max(2, rows)  # tokens (+ the dummy), decode rows (>= 2)
+        bs = self.block_size
         seqs = [p.seq for p in single]
         pos = np.fromiter((p.start for p in single), np.int64, n)
-        kv = np.fromiter((s.kv_slot for s in seqs), np.int64, n)
         slots = np.fromiter((s.lora_slot for s in seqs), np.int64, n)
         ids = np.fromiter((s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs), np.int64, n)
+        rows_written = np.fromiter((p.seq.block_table[p.start // bs] * bs + p.start % bs for p in single),
+                                   np.int64, n)
+        keys = graph.keys if graph is not None else max(2, int(pos.max()) + 1)
+        width = table_width(keys, bs)
         adapters = set(slots.tolist()) - {0}
         lora = bool(adapters) and not merged
-        self._check(6 * t + 3 * n_dec + 10 + n)
-        b, scratch = self.np, self.scratch_slot
+        self._check(6 * t + 2 * n_dec + 12 + n_dec * width + n)
+        b = self.np
         # input_ids, positions, slot_mapping: the real tokens, then padding and the dummy.
         b[0:n], b[n:t] = ids, 0
         b[t:t + n], b[t + n:2 * t] = pos, 0
-        b[2 * t:2 * t + n], b[2 * t + n:3 * t] = kv * self.max_len + pos, scratch * self.max_len
+        b[2 * t:2 * t + n], b[2 * t + n:3 * t] = rows_written, 0
         o = 3 * t
         b[o:o + n_dec] = np.arange(n_dec)  # decode_token_idx (with one row, its second is the dummy: index 1)
         b[o + n_dec:o + n_dec + n], b[o + n_dec + n:o + 2 * n_dec] = pos, 0
-        b[o + 2 * n_dec:o + 2 * n_dec + n], b[o + 2 * n_dec + n:o + 3 * n_dec] = kv, scratch
-        o += 3 * n_dec
-        b[o:o + 4], b[o + 4:o + 8], b[o + 8:o + 10] = rows, 0, scratch  # placeholder prefill group: 2x2 of the dummy
-        o += 10
+        o += 2 * n_dec
+        b[o:o + 4], b[o + 4:o + 8] = rows, 0  # placeholder prefill group: 2x2 of the dummy
+        o += 8
         b[o:o + rows], b[o + rows] = np.arange(rows), 0  # out_idx
         o += t
         if lora:
             b[o:o + n], b[o + n:o + t] = slots, 0  # weight_indices
             o += t
+        b[o:o + 4] = 0  # the placeholder's block table: the null block
+        o += 4
+        self._fill_table(o, seqs, n_dec, width)
+        table = self.device_buf[o:o + n_dec * width].view(n_dec, width)
+        o += n_dec * width
         b[o:o + n] = np.arange(n)  # logits_idx: every decoding sequence samples
         self._copy(o + n)
         v = self._decode_views.get((rows, lora))
-        if v is None:  # every column but logits_idx, whose length varies
-            lengths = (t, t, t, n_dec, n_dec, n_dec, 4, 4, 2, t, t if lora else 0)
-            v = self._decode_views[(rows, lora)] = self._views(lengths, 2)
-        keys = graph.keys if graph is not None else max(2, int(pos.max()) + 1)
-        attn = AttentionMetadata(v["slot_mapping"], v["decode_token_idx"], v["decode_q_pos"], v["decode_kv_slots"],
-                                 self.arange[:keys], v["prefill_token_idx"], v["prefill_q_pos"], v["prefill_kv_slots"],
-                                 self.arange[:PLACEHOLDER_KEYS], v["out_idx"])
+        if v is None:  # every column but the decode block table and logits_idx, whose lengths vary
+            lengths = (t, t, t, n_dec, n_dec, 4, 4, t, t if lora else 0, 4)
+            v = self._decode_views[(rows, lora)] = self._views(dict(zip(COLUMNS, lengths)), 2, 2)
+        attn = AttentionMetadata(v["slot_mapping"], v["decode_token_idx"], v["decode_q_pos"], table,
+                                 self.arange[:keys], v["prefill_token_idx"], v["prefill_q_pos"],
+                                 v["prefill_block_table"], self.arange[:PLACEHOLDER_KEYS], v["out_idx"])
         return StepInputs(v["input_ids"], v["positions"], attn, LoRABatch(v["weight_indices"] if lora else None),
                           self.device_buf[o:o + n], seqs, len(adapters))
 
-    def _views(self, lengths: tuple[int, ...], prefill_rows: int) -> dict[str, torch.Tensor]:
-        """The device buffer cut into COLUMNS of `lengths`, back to back; the prefill group's two as (rows, width)."""
+    def _views(self, lengths: dict[str, int], prefill_rows: int, decode_rows: int) -> dict[str, torch.Tensor]:
+        """The device buffer cut into the columns of `lengths`, back to back; matrices as (rows, width)."""
         views, start = {}, 0
-        for name, length in zip(COLUMNS, lengths):
+        for name, length in lengths.items():
             view = self.device_buf[start:start + length]
-            views[name] = view.view(prefill_rows, -1) if name in ("prefill_token_idx", "prefill_q_pos") else view
+            if name in _MATRICES:
+                view = view.view(decode_rows if name == "decode_block_table" else prefill_rows, -1)
+            views[name] = view
             start += length
         return views
 
     def _build_general(self, single: list[Planned], chunks: list[Planned], merged: bool) -> StepInputs:
-        max_len = self.max_len
-        scratch = self.scratch_slot * max_len  # where padding tokens write their K/V
+        bs = self.block_size
         n_single = len(single)
         n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
         dummy = n_tokens - 1
@@ -182,33 +206,34 @@ class BatchInit:
 
         input_ids, positions, slot_mapping, lora_col = [], [], [], []
         for p in (*single, *chunks):
-            kv = p.seq.kv_slot * max_len
+            table = p.seq.block_table
             input_ids += p.seq.tokens(p.start, p.start + p.length)
             positions += range(p.start, p.start + p.length)
-            slot_mapping += range(kv + p.start, kv + p.start + p.length)
+            slot_mapping += [table[i // bs] * bs + i % bs for i in range(p.start, p.start + p.length)]
             lora_col += [p.seq.lora_slot] * p.length
-        input_ids.append(0); positions.append(0); slot_mapping.append(scratch); lora_col.append(0)
+        input_ids.append(0); positions.append(0); slot_mapping.append(0); lora_col.append(0)
 
         dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
         dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)
-        dec_kv = [p.seq.kv_slot for p in single] + [self.scratch_slot] * max(0, 2 - n_single)
+        dec_keys = max(2, max(dec_pos) + 1)
         width = max([2] + [p.length for p in chunks])
         n_rows = max(2, len(chunks))
-        pre_idx, pre_pos, pre_kv, out_idx = [], [], [], list(range(n_single))
+        pre_idx, pre_pos, out_idx = [], [], list(range(n_single))
         offset = n_single
         for row in range(n_rows):
             if row < len(chunks):
                 p = chunks[row]
                 pre_idx += list(range(offset, offset + p.length)) + [dummy] * (width - p.length)
                 pre_pos += list(range(p.start, p.start + p.length)) + [0] * (width - p.length)
-                pre_kv.append(p.seq.kv_slot)
                 out_idx += range(len(dec_idx) + row * width, len(dec_idx) + row * width + p.length)
                 offset += p.length
             else:
                 pre_idx += [dummy] * width
                 pre_pos += [0] * width
-                pre_kv.append(self.scratch_slot)
         out_idx.append(0)
+        # a real group reads more keys than the placeholder (forward_batch.PLACEHOLDER_KEYS)
+        pre_keys = max(PLACEHOLDER_KEYS + 1, max(pre_pos) + 1) if chunks else PLACEHOLDER_KEYS
+        dec_width, pre_width = table_width(dec_keys, bs), table_width(pre_keys, bs)
         weight_indices = lora_col if lora_slots != {0} and not merged else []  # merged: no LoRA work
         logits_idx, sampled = [], []
         flat = 0
@@ -218,24 +243,30 @@ class BatchInit:
                 logits_idx.append(flat - 1)
                 sampled.append(p.seq)
 
-        columns = dict(zip(COLUMNS, (input_ids, positions, slot_mapping, dec_idx, dec_pos, dec_kv, pre_idx, pre_pos,
-                                     pre_kv, out_idx, weight_indices, logits_idx)))
-        total = sum(len(c) for c in columns.values())
+        columns = dict(zip(COLUMNS, (input_ids, positions, slot_mapping, dec_idx, dec_pos, pre_idx, pre_pos,
+                                     out_idx, weight_indices, None, None, logits_idx)))
+        lengths = {name: len(c) if c is not None else 0 for name, c in columns.items()}
+        lengths["prefill_block_table"] = n_rows * pre_width
+        lengths["decode_block_table"] = len(dec_idx) * dec_width
+        total = sum(lengths.values())
         self._check(total)
         start = 0
-        for c in columns.values():
-            self.np[start:start + len(c)] = c
-            start += len(c)
+        for name, c in columns.items():
+            if name == "prefill_block_table":
+                self._fill_table(start, [p.seq for p in chunks], n_rows, pre_width)
+            elif name == "decode_block_table":
+                self._fill_table(start, [p.seq for p in single], len(dec_idx), dec_width)
+            else:
+                self.np[start:start + len(c)] = c
+            start += lengths[name]
         self._copy(total)
-        v = self._views(tuple(len(c) for c in columns.values()), n_rows)
+        v = self._views(lengths, n_rows, len(dec_idx))
         attn = AttentionMetadata(
             slot_mapping=v["slot_mapping"],
             decode_token_idx=v["decode_token_idx"], decode_q_pos=v["decode_q_pos"],
-            decode_kv_slots=v["decode_kv_slots"], decode_key_pos=self.arange[: max(2, max(dec_pos) + 1)],
+            decode_block_table=v["decode_block_table"], decode_key_pos=self.arange[:dec_keys],
             prefill_token_idx=v["prefill_token_idx"], prefill_q_pos=v["prefill_q_pos"],
-            prefill_kv_slots=v["prefill_kv_slots"],
-            # a real group reads more keys than the placeholder (forward_batch.PLACEHOLDER_KEYS)
-            prefill_key_pos=self.arange[: max(PLACEHOLDER_KEYS + 1, max(pre_pos) + 1) if chunks else PLACEHOLDER_KEYS],
+            prefill_block_table=v["prefill_block_table"], prefill_key_pos=self.arange[:pre_keys],
             out_idx=v["out_idx"],
         )
         lora = LoRABatch(weight_indices=v["weight_indices"] if weight_indices else None)

@@ -14,6 +14,8 @@ from .packed_gemm import native_bf16
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 MergeMode = Literal["auto", "on", "off"]
 MERGE_MODES: tuple[str, ...] = get_args(MergeMode)
+KVGrowth = Literal["lazy", "reserve"]
+KV_GROWTH_MODES: tuple[str, ...] = get_args(KVGrowth)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -160,7 +162,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 @dataclass
 class EngineConfig:
     model: str
-    max_batch_size: int = 8          # running sequences = KV slots
+    max_num_seqs: int = 64           # running sequences (vLLM's name), whatever their lengths
+    # The old name of max_num_seqs, kept as an alias: when given it sets max_num_seqs (and always reads the same).
+    max_batch_size: int | None = None
     max_seq_len: int = 1024          # prompt + generated tokens per sequence
     max_num_batched_tokens: int = 256  # per step: decode tokens + prefill chunk tokens
     max_loras_per_batch: int = 8     # device slots = distinct adapters in a batch (slot 0, the base model, on top)
@@ -194,9 +198,22 @@ class EngineConfig:
     inductor_cache_dir: str | None = None
     adapter_roots: tuple[str, ...] = ()  # empty: any directory may be registered (local/offline use)
     seed: int = 0
+    # Paged KV cache (lora_compile.kv_cache). Bytes of K/V for the whole pool; None: on CPU a share of the memory
+    # available at start (KV_HOST_SHARE, at most KV_HOST_MAX_BYTES), on CUDA gpu_memory_utilization of the free
+    # memory after weights; either way no more than KV_MAX_SEQ_FILLS x max_num_seqs x max_seq_len tokens.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16             # tokens per KV block
+    enable_prefix_caching: bool = True
+    # "lazy": a sequence takes blocks as it grows and the newest running one is preempted (recomputed later)
+    # when none is free; "reserve": admission takes blocks for prompt + max_new_tokens at once, never preempts.
+    kv_growth: KVGrowth = "lazy"
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "max_loras_per_batch", "max_lora_rank",
+        if self.max_batch_size is not None:
+            self.max_num_seqs = self.max_batch_size
+        self.max_batch_size = self.max_num_seqs
+        for name in ("max_num_seqs", "block_size", "max_seq_len", "max_num_batched_tokens", "max_loras_per_batch", "max_lora_rank",
                      "merge_after_steps", "adapter_loader_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -206,6 +223,13 @@ class EngineConfig:
             raise ValueError(f"max_cpu_lora_bytes must be >= 0, got {self.max_cpu_lora_bytes}")
         if self.merge_lone_adapter not in MERGE_MODES:
             raise ValueError(f"merge_lone_adapter must be one of {', '.join(MERGE_MODES)}, got {self.merge_lone_adapter!r}")
-        if self.max_num_batched_tokens <= self.max_batch_size:
+        if self.max_num_batched_tokens <= self.max_num_seqs:
             # every step must leave room for at least one prefill token besides the decodes
-            raise ValueError("max_num_batched_tokens must be larger than max_batch_size")
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be larger than "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_growth not in KV_GROWTH_MODES:
+            raise ValueError(f"kv_growth must be one of {', '.join(KV_GROWTH_MODES)}, got {self.kv_growth!r}")

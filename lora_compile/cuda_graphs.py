@@ -5,7 +5,7 @@ small batches. A graph records the launches of one step shape once and replays t
 
 - One graph per (variant, rows, keys): the variant is the compiled stack's (no adapter / adapters), `rows` the
   decoding sequences padded up to a batch bucket, `keys` the keys each reads padded up to a key bucket. Padding
-  rows decode token 0 at position 0 into the scratch KV slot and are never sampled; padding keys are masked.
+  rows decode token 0 at position 0 into the null KV block and are never sampled; padding keys are masked.
 - Captured on first use, after warm-up, in one memory pool shared by all graphs (replays never overlap).
 - Static inputs by construction: a padded decode step lays its metadata out at the same offsets of the engine's
   one metadata buffer every time (batch_init), the KV cache, weights and LoRA slots are buffers updated

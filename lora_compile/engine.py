@@ -1,12 +1,13 @@
 """The engine: a model, its KV cache and LoRA slots, and `step()` over a batch of running sequences."""
 from __future__ import annotations
 
+import itertools
+import logging
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence as SequenceLike
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +20,9 @@ from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import DecodeGraphs, GraphShape
 from .errors import AdapterOutputError
 from .forward_batch import ForwardBatch
+from .kv_cache import KVCacheManager, kv_cache_size
+from .kv_cache.sizing import format_bytes
+from .step_output import AdmitOutcome, StepOutput
 from .layers import rope_tables
 from .lora_manager import LoRAManager
 from .lora_merge import build_merger
@@ -29,32 +33,7 @@ from .tokenizer import Tokenizer
 
 
 HOST_CACHE_SHARE = 8  # default host cache of adapters: 1/8 of the memory available at start
-
-
-@dataclass
-class StepOutput:
-    seq_ids: list[int]          # sequences that received a token this step, in order
-    token_ids: list[int]
-    logits: torch.Tensor | None = None  # (len(seq_ids), vocab) when asked for
-    num_tokens: int = 0         # tokens processed (prefill chunks + decodes)
-    num_adapters: int = 0       # distinct adapters in the step
-    # Adapters this step found producing non-finite values, now refused (LoRAManager.mark_failed): every
-    # sequence using one should end (those that ended here have finish_reason "error").
-    failed_adapters: dict[str, AdapterOutputError] = field(default_factory=dict)
-    merged: bool = False        # ran on its one adapter merged into the weights (lora_merge)
-    cuda_graph: bool = False    # replayed a decode CUDA graph (cuda_graphs)
-    kind: str = "decode"        # "decode", "prefill" or "mixed"
-    start_ns: int = 0           # wall clock (time.time_ns) at the start of the step, for tracing
-    batch_init_s: float = 0.0
-    merge_s: float = 0.0        # merging an adapter into the weights, when this step did (not in batch_init_s)
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-
-    @property
-    def end_ns(self) -> int:
-        """Wall clock at the end of sampling (the phases back to back, as the step span lays them out)."""
-        return (self.start_ns + int(self.batch_init_s * 1e9) + int(self.merge_s * 1e9) + int(self.forward_s * 1e9)
-                + int(self.sample_s * 1e9))
+log = logging.getLogger(__name__)
 
 
 def _host_cache_bytes(config: EngineConfig) -> int:
@@ -103,10 +82,17 @@ class Engine:
             self.model.load_weights(ckpt)
         if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
             self.model.prepack_weights()
-        n_kv_slots = config.max_batch_size + 1  # the extra slot absorbs padding tokens' writes
+        # Sized after the weights and adapter slots are allocated: on CUDA the default budget is what they leave.
+        size = kv_cache_size(config, mc, self.dtype, self.device)
         for layer in self.model.layers:
-            layer.self_attn.allocate_kv_cache(n_kv_slots, config.max_seq_len, self.dtype, self.device)
-        self._free_kv = deque(range(config.max_batch_size))
+            layer.self_attn.allocate_kv_cache(size.num_blocks + 1, size.block_size, self.dtype, self.device)
+        self.kv_cache = KVCacheManager(size, config.enable_prefix_caching)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s), prefix caching %s, %s growth", size.num_blocks,
+                 size.block_size, size.num_tokens, format_bytes(size.nbytes),
+                 "on" if config.enable_prefix_caching else "off", config.kv_growth)
+        self._admission_order = itertools.count()
+        self._admitted: dict[int, Sequence] = {}  # id(seq): every sequence holding KV blocks
+        self.num_preemptions = 0
         self.rope_cos, self.rope_sin = rope_tables(mc, config.max_seq_len, self.dtype, self.device)
         self.adapters = LoRAManager(
             self.model, mc, config.max_loras_per_batch, config.max_lora_rank, _host_cache_bytes(config),
@@ -123,7 +109,7 @@ class Engine:
         if self._compiled:
             compile_policy.compile_model(self.model, self.inductor_cache_dir, config.precompile)
         # Decode steps replay CUDA graphs where the step is compiled (eager LoRA reads slots on the host).
-        self._graphs = (DecodeGraphs(config.max_batch_size, config.max_seq_len, self.device)
+        self._graphs = (DecodeGraphs(config.max_num_seqs, config.max_seq_len, self.device)
                         if config.cuda_graphs and self._compiled and self.device.type == "cuda" else None)
 
     @property
@@ -133,8 +119,9 @@ class Engine:
 
     # --- capacity -----------------------------------------------------------------------------------
     @property
-    def num_free_kv_slots(self) -> int:
-        return len(self._free_kv)
+    def num_running(self) -> int:
+        """Sequences admitted and holding KV blocks."""
+        return len(self._admitted)
 
     def check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the problem if the engine could never serve this request."""
@@ -151,32 +138,81 @@ class Engine:
                 f"max_seq_len {self.config.max_seq_len}"
             )
 
-    def try_admit(self, seq: Sequence, read_adapter: bool = True) -> bool:
-        """Reserve a KV slot and pin the sequence's adapter; False (nothing changed) when either is full.
-        Sets seq.adapter_loaded: whether admission copied the adapter into a device slot. read_adapter=False:
-        an adapter not in host memory raises AdapterNotReadyError instead of being read in this thread."""
-        assert seq.kv_slot is None, "sequence already admitted"
+    def _kv_tokens_at_admission(self, seq: Sequence) -> int:
+        """Positions whose blocks admission takes: its known tokens ("lazy": it grows as it decodes), or every
+        position it may write ("reserve": prompt + max_new_tokens - 1, the last sampled token is never written)."""
+        if self.config.kv_growth == "reserve":
+            return min(len(seq.prompt_ids) + seq.sampling.max_new_tokens - 1, self.config.max_seq_len)
+        return seq.num_tokens
+
+    def admit(self, seq: Sequence, read_adapter: bool = True) -> AdmitOutcome:
+        """Pin the sequence's adapter in a device slot and give it KV blocks for its prompt (cached ones where its
+        prefix is cached): ADMITTED, or what it waits for (nothing changed). Sets seq.adapter_loaded: whether
+        admission copied the adapter into a device slot. read_adapter=False: an adapter not in host memory raises
+        AdapterNotReadyError instead of being read in this thread. A preempted sequence is admitted the same way
+        and recomputes what the cache no longer holds."""
+        assert not seq.is_admitted, "sequence already admitted"
         self.check_request(seq.prompt_ids, seq.sampling)
-        if not self._free_kv:
-            return False
+        if len(self._admitted) >= self.config.max_num_seqs:
+            return AdmitOutcome.NO_SEQ_SLOT
         acquired = self.adapters.acquire(seq.adapter, read_adapter)
         if acquired is None:
-            return False
-        seq.kv_slot = self._free_kv.popleft()
-        seq.lora_slot, seq.adapter_loaded = acquired
-        seq.num_computed_tokens = 0
-        if not seq.sampling.greedy:
+            return AdmitOutcome.NO_ADAPTER_SLOT
+        slot, loaded = acquired
+        if not self.kv_cache.allocate(seq, self.adapters.cache_key(slot), self._kv_tokens_at_admission(seq),
+                                      self._blocks_due()):
+            self.adapters.release(slot)
+            return AdmitOutcome.NO_KV_BLOCKS
+        seq.lora_slot, seq.adapter_loaded = slot, loaded
+        seq.admitted_at = next(self._admission_order)
+        self._admitted[id(seq)] = seq
+        if not seq.sampling.greedy and seq.generator is None:  # kept across preemption: the same random stream
             seed = seq.sampling.seed if seq.sampling.seed is not None else self._rng.getrandbits(63)
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
-        return True
+        return AdmitOutcome.ADMITTED
+
+    def _blocks_due(self) -> int:
+        """Blocks the running sequences take at their next step ("lazy": those whose next position starts a
+        block). Admission leaves them free, as vLLM schedules running requests before waiting ones: a new
+        sequence is not admitted only to be preempted by the next step's growth."""
+        if self.config.kv_growth == "reserve":
+            return 0
+        bs = self.kv_cache.block_size
+        return sum(1 for s in self._admitted.values() if len(s.block_table) * bs < s.num_tokens)
+
+    def try_admit(self, seq: Sequence, read_adapter: bool = True) -> bool:
+        """admit() as a bool: False (nothing changed) when a sequence slot, KV blocks or an adapter slot is short."""
+        return self.admit(seq, read_adapter) is AdmitOutcome.ADMITTED
 
     def release(self, seq: Sequence) -> None:
-        if seq.kv_slot is None:
+        """Free the sequence's KV blocks (cached ones stay findable) and unpin its adapter; idempotent."""
+        if self._admitted.pop(id(seq), None) is None:
             return
-        self._free_kv.append(seq.kv_slot)
+        self.kv_cache.free(seq)
         self.adapters.release(seq.lora_slot)
-        seq.kv_slot = None
         seq.lora_slot = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _grow(self, seqs: SequenceLike[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Blocks for every position each sequence computes next, oldest first; where none is free, the newest
+        running sequence is preempted (vLLM's recompute preemption). Returns (runnable, preempted)."""
+        runnable = sorted(seqs, key=lambda q: q.admitted_at)
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(runnable):
+            seq = runnable[i]
+            if self.kv_cache.grow(seq, seq.num_tokens):
+                i += 1
+                continue
+            victim = runnable.pop()  # the newest (possibly seq itself: then it waits)
+            self._preempt(victim)
+            preempted.append(victim)
+        return runnable, preempted
 
     # --- one step -----------------------------------------------------------------------------------
     def _forward_batch(self, inputs: StepInputs) -> ForwardBatch:
@@ -197,6 +233,9 @@ class Engine:
     def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
         """Run one forward over `seqs` and give each sequence that completed its tokens one new token."""
         start_ns, t0 = time.time_ns(), time.perf_counter()
+        seqs, preempted = self._grow(seqs)
+        if not seqs:  # (only when one sequence alone cannot grow: it waits to be admitted again)
+            return StepOutput([], [], preempted=[q.seq_id for q in preempted], start_ns=start_ns)
         single, chunks = self.batch_init.plan(seqs)
         merged, merge_s = self._select_weights(single, chunks)
         graph = self._graph_shape(single, chunks)
@@ -214,6 +253,8 @@ class Engine:
         result = sample(logits, sampled) if sampled else None
         for p in (*single, *chunks):
             p.seq.num_computed_tokens += p.length
+            if id(p.seq) in self._admitted:  # (warm-up's throwaway sequences write only the null block)
+                self.kv_cache.cache_full_blocks(p.seq)
         token_ids = result.token_ids if result else []
         failed: dict[str, AdapterOutputError] = {}
         for i, (seq, token) in enumerate(zip(sampled, token_ids)):
@@ -240,7 +281,7 @@ class Engine:
             seq_ids=[sampled[i].seq_id for i in ok], token_ids=[token_ids[i] for i in ok],
             logits=logits if return_logits else None,
             num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=inputs.num_adapters, kind=kind,
-            failed_adapters=failed,
+            failed_adapters=failed, preempted=[q.seq_id for q in preempted],
             merged=merged, cuda_graph=graph is not None,
             start_ns=start_ns, batch_init_s=t1 - t0 - merge_s, merge_s=merge_s, forward_s=t2 - t1, sample_s=t3 - t2,
         )
@@ -267,7 +308,7 @@ class Engine:
     # --- warm-up ------------------------------------------------------------------------------------
     def warmup(self) -> float:
         """Compile both graph variants, base model only and with adapters, on throwaway sequences that write only to
-        the scratch KV slot: decodes and prefill chunks, so every dynamic dim is traced at a size >= 2."""
+        the null KV block: decodes and prefill chunks, so every dynamic dim is traced at a size >= 2."""
         t0 = time.perf_counter()
         if self._compiled and not self._warmed_up:
             max_tokens = self.config.max_num_batched_tokens
@@ -278,7 +319,7 @@ class Engine:
                 seqs = []
                 for i, (n, slot) in enumerate(zip(lengths, slots)):
                     seq = Sequence(-1 - i, list(range(1, n + 1)), SamplingParams(max_new_tokens=1))
-                    seq.kv_slot, seq.lora_slot = self.batch_init.scratch_slot, slot
+                    seq.block_table, seq.lora_slot = [0] * -(-n // self.config.block_size), slot
                     seqs.append(seq)
                 self.step(seqs)
         self._warmed_up = True
@@ -306,8 +347,14 @@ class Engine:
                 while waiting and self.try_admit(waiting[0]):
                     running.append(waiting.popleft())
                 if not running:
-                    raise RuntimeError("no capacity to admit a sequence: check max_batch_size / max_loras_per_batch")
+                    raise RuntimeError("no capacity to admit a sequence: check max_num_seqs / max_loras_per_batch / "
+                                       "kv_cache_memory")
                 out = self.step(running)
+                if out.preempted:  # back to the front of the queue, oldest first
+                    gone = set(out.preempted)
+                    back = [q for q in running if q.seq_id in gone]
+                    running = [q for q in running if q.seq_id not in gone]
+                    waiting.extendleft(reversed(back))
                 if on_token:
                     for seq_id, token in zip(out.seq_ids, out.token_ids):
                         on_token(seq_id, token)

@@ -26,14 +26,16 @@ PLACEHOLDER_KEYS = 2
 @dataclass
 class AttentionMetadata:
     # Tokens of the step are laid out flat: [sequences with one token | prefill chunks | one dummy].
-    slot_mapping: torch.Tensor = dynamic(0)       # (T,) where each token's K/V goes: kv_slot * max_seq_len + position
+    # Positions live in KV blocks (lora_compile.kv_cache): position p of a sequence is row
+    # block_table[p // block_size] * block_size + p % block_size of the layers' flattened pools.
+    slot_mapping: torch.Tensor = dynamic(0)       # (T,) the row each token's K/V is written to (0: the null block)
     decode_token_idx: torch.Tensor = dynamic(0)   # (Bd,) flat index of the single token of each "decode" sequence
     decode_q_pos: torch.Tensor = dynamic(0)       # (Bd,) its position
-    decode_kv_slots: torch.Tensor = dynamic(0)    # (Bd,)
+    decode_block_table: torch.Tensor = dynamic(0, 1)  # (Bd, Wd) its blocks, padded with the null block
     decode_key_pos: torch.Tensor = dynamic(0)     # (Sd,) 0..Sd-1: keys read by the decode group
     prefill_token_idx: torch.Tensor = dynamic(0, 1)  # (Bp, Lp) flat index of each chunk token, padded
     prefill_q_pos: torch.Tensor = dynamic(0, 1)   # (Bp, Lp) position of each chunk token (0 on padding)
-    prefill_kv_slots: torch.Tensor = dynamic(0)   # (Bp,)
+    prefill_block_table: torch.Tensor = dynamic(0, 1)  # (Bp, Wp)
     prefill_key_pos: torch.Tensor = dynamic(0)    # (Sp,)
     out_idx: torch.Tensor = dynamic(0)            # (T,) row of each token in cat(decode output, prefill output)
 

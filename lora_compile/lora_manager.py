@@ -30,6 +30,7 @@ from .adapter_loader import AdapterLoader, LoadResult
 from .adapters import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapter, check_adapter_name, load_adapter
 from .config import ModelConfig
 from .errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterNotReadyError, AdapterPathError
+from .kv_cache.hashing import BASE_MODEL_KEY
 from .lora_slots import DeviceSlots
 from .model import CausalLM
 
@@ -307,6 +308,14 @@ class LoRAManager:
                 self._load_into(slot, self._host_copy(name, read))
             self._slots.pin(slot)
             return slot, loaded
+
+    def cache_key(self, slot: int) -> bytes:
+        """The prefix cache's key for KV computed with `slot`'s weights (slot 0: the base model)."""
+        if slot == 0:
+            return BASE_MODEL_KEY
+        key = self._slots.cache_key[slot]
+        assert key is not None, "cache key of an empty adapter slot"
+        return key
 
     def can_acquire(self, name: str | None) -> bool:
         """Whether `acquire` would get a slot now (resident, or an unpinned slot to take)."""

@@ -25,6 +25,8 @@ class DeviceSlots:
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, max_loras + 1))
         # Bumped whenever a slot's weights change, so that what was derived from them (merged packs) is redone.
         self.generation = [0] * (max_loras + 1)
+        # What the prefix cache keys each slot's KV by: the name and weights digest of the adapter in it.
+        self.cache_key: list[bytes | None] = [None] * (max_loras + 1)
         if self._pin:
             self._copy_stream = torch.cuda.Stream(device)
             self._copy_done: dict[int, tuple[torch.cuda.Event, LoRAAdapter]] = {}
@@ -77,6 +79,7 @@ class DeviceSlots:
         self._adapter_in[slot] = adapter.name
         self.slot_of[adapter.name] = slot
         self.generation[slot] += 1
+        self.cache_key[slot] = b"adapter\0" + adapter.name.encode() + b"\0" + adapter.digest
         return evicted
 
     def forget(self, name: str) -> int | None:
@@ -86,6 +89,7 @@ class DeviceSlots:
         if slot is not None:
             self._adapter_in[slot] = None
             self.generation[slot] += 1
+            self.cache_key[slot] = None
         return slot
 
     def drop(self, name: str) -> None:

@@ -42,13 +42,19 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device)
 
 
+def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(B, S): the row of the flattened KV pool that holds key position key_pos[s] of sequence b. Compiled, this
+    is index arithmetic inside the attention reductions' loads, not a tensor."""
+    return block_table[:, key_pos // block_size] * block_size + key_pos % block_size
+
+
 def attend(
     q: torch.Tensor,            # (T, H, D) queries of every token of the step
-    k_cache: torch.Tensor,      # (slots, max_seq_len, Hkv, D)
+    k_cache: torch.Tensor,      # (num_blocks, block_size, Hkv, D)
     v_cache: torch.Tensor,
     token_idx: torch.Tensor,    # (B, L) which tokens form each sequence's query block
     q_pos: torch.Tensor,        # (B, L)
-    kv_slots: torch.Tensor,     # (B,)
+    block_table: torch.Tensor,  # (B, W) each sequence's KV blocks, W * block_size >= S
     key_pos: torch.Tensor,      # (S,) keys 0..S-1 are read
     scale: float,
     sliding_window: int | None,
@@ -62,14 +68,16 @@ def attend(
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     s = key_pos.shape[0]
+    rows = kv_rows(block_table, key_pos, k_cache.shape[1])
     # Grouped-query attention without repeating K/V: query heads of one KV head form one block.
     qb = q[token_idx.reshape(-1)].view(batch, length, n_kv, group, head_dim)
     qb = qb.permute(0, 2, 1, 3, 4).reshape(batch, n_kv, length * group, head_dim).to(work)
-    k = k_cache[kv_slots, :s].permute(0, 2, 3, 1).to(work)  # (B, Hkv, D, S)
-    # Keys past a sequence's last query were written by an earlier occupant of its KV slot (or by padding): their
-    # probability is 0, but 0 x NaN is NaN, so stale values are replaced, never multiplied (isolation).
+    k = k_cache.view(-1, n_kv, head_dim)[rows].permute(0, 2, 3, 1).to(work)  # (B, Hkv, D, S)
+    # Keys past a sequence's last query were written by an earlier holder of the block (or by padding, or are the
+    # null block's): their probability is 0, but 0 x NaN is NaN, so stale values are replaced, never multiplied.
     stale = key_pos[None, :] > q_pos.amax(dim=1)[:, None]  # (B, S)
-    v = v_cache[kv_slots, :s].masked_fill(stale[:, :, None, None], 0).permute(0, 2, 1, 3).to(work)  # (B, Hkv, S, D)
+    v = v_cache.view(-1, n_kv, head_dim)[rows].masked_fill(stale[:, :, None, None], 0)
+    v = v.permute(0, 2, 1, 3).to(work)  # (B, Hkv, S, D)
     scores = (torch.matmul(qb, k) * scale).float().view(batch, n_kv, length, group, s)
     visible = key_pos[None, None, :] <= q_pos[:, :, None]  # (B, L, S)
     if sliding_window is not None:
@@ -82,18 +90,19 @@ def attend(
 
 def attend_decode(
     q: torch.Tensor,            # (T, H, D)
-    k_cache: torch.Tensor,      # (slots, max_seq_len, Hkv, D)
+    k_cache: torch.Tensor,      # (num_blocks, block_size, Hkv, D)
     v_cache: torch.Tensor,
     token_idx: torch.Tensor,    # (B,) the one query token of each decoding sequence
     q_pos: torch.Tensor,        # (B,)
-    kv_slots: torch.Tensor,     # (B,)
+    block_table: torch.Tensor,  # (B, W)
     key_pos: torch.Tensor,      # (S,)
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """attend() for one query per sequence, for the compiler; returns (B, H*D).
 
-    Compiled, both products are reductions that read K and V straight from the cache by slot inside the loop:
+    Compiled, both products are reductions that read K and V straight from the cache through the block table
+    inside the loop:
     nothing is gathered into a (B, Hkv, D, S) copy and no bmm is called (35-55 % less than gather + bmm). The
     scores are laid out (B, Hkv, G, S), keys innermost: the softmax runs along contiguous keys, and the rotated
     queries are computed once rather than once per key (19-33 % less than keys outermost; python -m
@@ -103,14 +112,16 @@ def attend_decode(
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     qb = q[token_idx].view(batch, n_kv, group, 1, head_dim).float()
-    k = k_cache[kv_slots, :s].permute(0, 2, 1, 3)[:, :, None]  # (B, Hkv, 1, S, D): indexing, fused into the reduction
+    rows = kv_rows(block_table, key_pos, k_cache.shape[1])
+    # (B, Hkv, 1, S, D): indexing, fused into the reduction
+    k = k_cache.view(-1, n_kv, head_dim)[rows].permute(0, 2, 1, 3)[:, :, None]
     scores = (qb * k.float()).sum(-1) * scale    # (B, Hkv, G, S)
     visible = key_pos[None, :] <= q_pos[:, None]  # (B, S)
     if sliding_window is not None:
         visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    v = v_cache[kv_slots, :s].masked_fill(~visible[:, :, None, None], 0)  # stale values replaced, as in attend()
+    v = v_cache.view(-1, n_kv, head_dim)[rows].masked_fill(~visible[:, :, None, None], 0)  # stale: replaced
     out = (probs[..., None] * v.permute(0, 2, 1, 3)[:, :, None]).sum(3)  # (B, Hkv, G, D)
     return out.reshape(batch, n_heads * head_dim)
 
@@ -122,7 +133,7 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     time, in the one graph. The placeholder's two bmm calls (each ~20 us of library set-up for 4608 multiply-adds)
     and its softmax cost 1-7 % of a batch-8 decode step (paired processes). On CUDA a decode step replays a graph,
     where they cost little, and the graphs' tested form stays."""
-    args = (q, k_cache, v_cache, md.prefill_token_idx, md.prefill_q_pos, md.prefill_kv_slots, md.prefill_key_pos)
+    args = (q, k_cache, v_cache, md.prefill_token_idx, md.prefill_q_pos, md.prefill_block_table, md.prefill_key_pos)
     cpu = compiled and q.device.type == "cpu"
 
     def real(*tensors: torch.Tensor) -> torch.Tensor:
@@ -151,8 +162,10 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def allocate_kv_cache(self, n_slots: int, max_seq_len: int, dtype, device) -> None:
-        shape = (n_slots, max_seq_len, self.n_kv, self.head_dim)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype, device) -> None:
+        """The layer's K and V pools: `num_blocks` blocks (the null block included). Zeroed, so the whole budget
+        is resident from the start (no memory growth as blocks are first used)."""
+        shape = (num_blocks, block_size, self.n_kv, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -172,10 +185,10 @@ class Attention(nn.Module):
         self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v
         if fb.compiled:
             decode = attend_decode(q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
-                                   md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window)
+                                   md.decode_block_table, md.decode_key_pos, self.scale, self.sliding_window)
         else:
             decode = attend(q, self.k_cache, self.v_cache, md.decode_token_idx[:, None], md.decode_q_pos[:, None],
-                            md.decode_kv_slots, md.decode_key_pos, self.scale, self.sliding_window)
+                            md.decode_block_table, md.decode_key_pos, self.scale, self.sliding_window)
         prefill = attend_prefill(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, fb.compiled)
         out = torch.cat([decode, prefill], dim=0)[md.out_idx]
         return self.o_proj(out, fb.lora, fb.compiled)

@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import logging
 import os
+import re
 import sys
 import time
 
@@ -20,6 +21,38 @@ def _adapter_arg(value: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
     return name, path
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def byte_size(value: str) -> int:
+    """A byte count: 1073741824, 512MiB, 4GiB, 1.5GB (KB..TB: powers of 1000, KiB..TiB: powers of 1024)."""
+    m = _SIZE.fullmatch(value)
+    unit = m and m.group(2).lower()
+    if m is not None and unit in ("k", "m", "g", "t"):
+        raise argparse.ArgumentTypeError(f"{value!r} is ambiguous: write {m.group(1)}{unit.upper()}iB (powers of "
+                                         f"1024) or {m.group(1)}{unit.upper()}B (powers of 1000)")
+    if m is None or unit not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes, optionally with a unit: 536870912, 512MiB, 4GiB, 1.5GB "
+            f"(KB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024); got {value!r}")
+    n = int(float(m.group(1)) * _BYTE_UNITS[unit])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes; got {value!r}")
+    return n
+
+
+def _fraction(value: str) -> float:
+    try:
+        f = float(value)
+    except ValueError:
+        f = float("nan")
+    if not 0 < f <= 1:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.9; got {value!r}")
+    return f
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -43,8 +76,10 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=server_defaults.port, help="default: %(default)s; 0: any free port")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="the OpenAI-compatible HTTP API and /metrics, on --host (default: %(default)s; 0: off)")
-    p.add_argument("--max-batch-size", type=int, default=engine_defaults["max_batch_size"],
-                   help="requests running at once (KV slots) (default: %(default)s)")
+    p.add_argument("--max-num-seqs", "--max-batch-size", dest="max_num_seqs", type=int,
+                   default=engine_defaults["max_num_seqs"],
+                   help="requests running at once, whatever their lengths; the KV cache bounds their tokens "
+                        "(--max-batch-size: its old name) (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=engine_defaults["max_seq_len"],
                    help="prompt + new tokens per request (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=engine_defaults["max_num_batched_tokens"],
@@ -57,6 +92,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cpu-lora-bytes", type=int, default=engine_defaults["max_cpu_lora_bytes"],
                    help="bytes of adapter weights kept in host memory (LRU); others are read from disk again when "
                         "used (default: 1/8 of the memory available at start)")
+    _add_kv_cache_flags(p, engine_defaults)
     p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
                    help="serve adapters on demand: a request naming an unregistered adapter NAME is served from "
                         "DIR/NAME/ (adapter_config.json + adapter_model.safetensors), read on first use; DIR is "
@@ -107,6 +143,27 @@ def serve_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_kv_cache_flags(p: argparse.ArgumentParser, d: dict) -> None:
+    from lora_compile.config import KV_GROWTH_MODES
+
+    g = p.add_argument_group("KV cache (paged; see docs/operations.md)")
+    g.add_argument("--kv-cache-memory", type=byte_size, default=d["kv_cache_memory"], metavar="SIZE",
+                   help="bytes of keys and values for the whole pool, e.g. 4GiB or 1.5GB (default: on CUDA "
+                        "--gpu-memory-utilization of the memory left after the weights, on CPU a share of the "
+                        "memory available at start; never more than the batch could fill)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=d["gpu_memory_utilization"], metavar="F",
+                   help="CUDA, without --kv-cache-memory: the share of the free memory after the weights given to "
+                        "the KV cache (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="tokens per KV block, the unit of allocation and of prefix sharing (default: %(default)s)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of earlier prompts' shared prefixes")
+    g.add_argument("--kv-growth", choices=KV_GROWTH_MODES, default=d["kv_growth"],
+                   help="lazy: a request takes blocks as it grows; when none is free the newest running request is "
+                        "preempted and recomputed later. reserve: admission takes blocks for prompt + max new "
+                        "tokens at once, never preempts, admits fewer (default: %(default)s)")
+
+
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     from service.limits import RequestLimits
 
@@ -118,7 +175,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
                    help="largest max_new_tokens a request may ask for, and the default when it asks for none "
                         "(default: the rest of the context)")
     g.add_argument("--max-concurrent-streams", type=int, default=d.max_concurrent_streams,
-                   help="open Generate streams before RESOURCE_EXHAUSTED (default: max-batch-size + max-queue)")
+                   help="open Generate streams before RESOURCE_EXHAUSTED (default: max-num-seqs + max-queue)")
     g.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest request message; larger ones get RESOURCE_EXHAUSTED (default: %(default)s)")
     g.add_argument("--max-streams-per-connection", type=int, default=d.max_streams_per_connection,
@@ -256,7 +313,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         adapters = {name: str(path) for name, path in demo_adapters.items()} | adapters
     try:
         engine_config = EngineConfig(
-            model=model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+            model=model, max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
             max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
             max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
             precompile=not args.no_precompile, cuda_graphs=not args.no_cuda_graphs,
@@ -264,6 +321,8 @@ def serve_main(argv: list[str] | None = None) -> int:
             max_cpu_lora_bytes=args.max_cpu_lora_bytes, adapter_dirs=tuple(args.adapter_dir),
             adapter_loader_threads=args.adapter_loader_threads,
             merge_lone_adapter=args.merge_lone_adapter, merge_after_steps=args.merge_after_steps,
+            kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+            block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching, kv_growth=args.kv_growth,
         )
         server_config = _server_config(args)
         t0 = time.perf_counter()

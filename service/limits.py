@@ -18,7 +18,7 @@ class RequestLimits:
     retry_after_s: float = 1.0                 # RetryInfo sent with RESOURCE_EXHAUSTED
     max_prompt_tokens: int | None = None       # None: max_seq_len - 1
     max_new_tokens: int | None = None          # None: the rest of the context (max_seq_len - prompt)
-    max_concurrent_streams: int | None = None  # open Generate streams; None: max_batch_size + max_queue
+    max_concurrent_streams: int | None = None  # open Generate streams; None: max_num_seqs + max_queue
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest request message (grpc.max_receive_message_length)
     # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per client connection; None: no per-connection cap (the server-wide
     # max_concurrent_streams answers with RESOURCE_EXHAUSTED + RetryInfo, which grpc's transport refusal cannot)

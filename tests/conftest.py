@@ -19,7 +19,7 @@ ADAPTER_SPECS = {
     "mlp16rs": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=("o_proj", "gate_proj", "up_proj", "down_proj"), seed=13),
 }
 # float32: the exact reference for the golden tests ("auto" is bfloat16 on CPUs that compute it natively).
-ENGINE_LIMITS = dict(dtype="float32", max_batch_size=6, max_seq_len=192, max_num_batched_tokens=24, max_loras_per_batch=3, max_lora_rank=16)
+ENGINE_LIMITS = dict(dtype="float32", max_num_seqs=6, max_seq_len=192, max_num_batched_tokens=24, max_loras_per_batch=3, max_lora_rank=16)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from service.grpc_api.server import LoraServer, ServerConfig
 
 T = TypeVar("T")
 # float32: tokens are compared with float32 references ("auto" is bfloat16 on CPUs with native bf16).
-LIMITS = dict(dtype="float32", compile=False, max_batch_size=8, max_seq_len=256, max_loras_per_batch=2, max_lora_rank=16)
+LIMITS = dict(dtype="float32", compile=False, max_num_seqs=8, max_seq_len=256, max_loras_per_batch=2, max_lora_rank=16)
 DEMO_ADAPTERS = ("pirate", "poet", "scribe")
 
 
@@ -92,13 +92,13 @@ class ServerThread:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if (runner.num_running == 0 and runner.num_waiting == 0
-                    and self.engine.num_free_kv_slots == self.engine.config.max_batch_size
+                    and self.engine.kv_cache.num_free_blocks == self.engine.kv_cache.num_blocks
                     and self.engine.adapters.num_free_slots == self.engine.config.max_loras_per_batch):
                 return
             time.sleep(0.01)
         raise AssertionError(
             f"server not idle after {timeout}s: running={runner.num_running} waiting={runner.num_waiting} "
-            f"free_kv={self.engine.num_free_kv_slots} free_lora_slots={self.engine.adapters.num_free_slots}")
+            f"free_kv={self.engine.kv_cache.num_free_blocks} free_lora_slots={self.engine.adapters.num_free_slots}")
 
     def stop(self) -> None:
         if self.server is not None:

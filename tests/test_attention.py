@@ -1,5 +1,8 @@
-"""Compiled decode attention (reductions over the cache) against the bmm form that eager and prefill use."""
+"""Attention through block tables: the compiled decode form (reductions over the paged cache) and the bmm form
+that eager and prefill use, against dense attention over each sequence's own keys."""
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -7,27 +10,89 @@ import torch
 from lora_compile.model import attend, attend_decode
 
 
-@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding-window"])
-def test_compiled_decode_attention_matches_bmm_form(window):
-    gen = torch.Generator().manual_seed(0)
-    n_kv, group, head_dim, slots, max_len = 2, 3, 8, 7, 32
-    k_cache = torch.randn(slots, max_len, n_kv, head_dim, generator=gen)
-    v_cache = torch.randn(slots, max_len, n_kv, head_dim, generator=gen)
-    q = torch.randn(6, n_kv * group, head_dim, generator=gen)
-    # Four sequences at different positions, in shuffled slots, their query tokens not in order; keys 0..12 are
-    # read, so the shorter sequences' later keys (other data in the cache) must be masked out.
-    token_idx = torch.tensor([3, 0, 5, 1])
-    q_pos = torch.tensor([12, 0, 7, 3])
-    kv_slots = torch.tensor([4, 1, 6, 2])
-    key_pos = torch.arange(13)
-    args = (q, k_cache, v_cache, token_idx, q_pos, kv_slots, key_pos, head_dim ** -0.5, window)
+# One compiled function for every case: dynamic shapes, so block sizes and lengths reuse its graphs.
+_COMPILED = torch.compile(attend_decode, fullgraph=True, dynamic=True)
 
-    expected = attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], kv_slots, key_pos,
-                      head_dim ** -0.5, window)
-    torch.testing.assert_close(attend_decode(*args), expected)  # uncompiled: the same reductions, run eagerly
-    compiled = torch.compile(attend_decode, fullgraph=True)(*args)
+
+def _paged(seq_keys: list[torch.Tensor], block_size: int, num_blocks: int, rng: random.Random):
+    """A pool holding each sequence's (len, Hkv, D) rows in shuffled blocks, every other row NaN (stale data that
+    must never reach a result), and the block tables, padded with the null block 0."""
+    n_kv, head_dim = seq_keys[0].shape[1:]
+    pool = torch.full((num_blocks, block_size, n_kv, head_dim), float("nan"))
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for keys in seq_keys:
+        blocks = [free.pop() for _ in range(-(-keys.shape[0] // block_size))]
+        for i, b in enumerate(blocks):
+            rows = keys[i * block_size:(i + 1) * block_size]
+            pool[b, :rows.shape[0]] = rows
+        tables.append(blocks)
+    width = max(2, max(len(t) for t in tables))
+    return pool, torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: int | None) -> torch.Tensor:
+    """One query at `pos` over keys 0..pos of one sequence (grouped-query heads), the plain formula."""
+    group = q.shape[0] // k.shape[1]
+    first = 0 if window is None else max(0, pos - window + 1)
+    k, v = k[first:pos + 1].repeat_interleave(group, 1), v[first:pos + 1].repeat_interleave(group, 1)
+    probs = torch.softmax(torch.einsum("hd,shd->hs", q, k) * q.shape[-1] ** -0.5, dim=-1)
+    return torch.einsum("hs,shd->hd", probs, v).reshape(-1)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding-window"])
+def test_decode_attention_reads_through_block_tables(window, block_size):
+    rng, gen = random.Random(block_size), torch.Generator().manual_seed(block_size)
+    n_kv, group, head_dim = 2, 3, 8
+    # Four sequences at positions across block edges, their query tokens not in order.
+    positions = [12, 0, 7, block_size * 2 - 1]
+    lengths = [p + 1 for p in positions]
+    k_seq = [torch.randn(n, n_kv, head_dim, generator=gen) for n in lengths]
+    v_seq = [torch.randn(n, n_kv, head_dim, generator=gen) for n in lengths]
+    num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 3
+    k_cache, table = _paged(k_seq, block_size, num_blocks, random.Random(rng.random()))
+    v_cache, table_v = _paged(v_seq, block_size, num_blocks, random.Random(rng.random()))
+    v_cache = v_cache.view(-1, n_kv, head_dim)[_remap(table_v, table, block_size, num_blocks)].view_as(v_cache)
+    q = torch.randn(6, n_kv * group, head_dim, generator=gen)
+    token_idx = torch.tensor([3, 0, 5, 1])
+    q_pos = torch.tensor(positions)
+    key_pos = torch.arange(max(lengths))
+    expected = torch.stack([_dense(q[t], k_seq[i], v_seq[i], positions[i], window)
+                            for i, t in enumerate(token_idx.tolist())])
+    args = (q, k_cache, v_cache, token_idx, q_pos, table, key_pos, head_dim ** -0.5, window)
+    bmm = attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], table, key_pos, head_dim ** -0.5, window)
+    torch.testing.assert_close(bmm, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend_decode(*args), expected, atol=1e-5, rtol=1e-5)
+    compiled = _COMPILED(*args)
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
-    # The inputs make the mask matter: without it the result would differ.
-    unmasked = attend(q, k_cache, v_cache, token_idx[:, None], torch.full((4, 1), 12), kv_slots, key_pos,
-                      head_dim ** -0.5, None)
-    assert not torch.allclose(unmasked, expected, atol=1e-3)
+
+
+def _remap(table_from: torch.Tensor, table_to: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
+    """Row permutation that moves V's blocks to where K's blocks of the same positions are, so one table reads
+    both (the layers keep K and V at the same rows)."""
+    rows = torch.arange(num_blocks * block_size)
+    for src_row, dst_row in zip(table_from.tolist(), table_to.tolist()):
+        for src, dst in zip(src_row, dst_row):
+            if dst:
+                rows[dst * block_size:(dst + 1) * block_size] = torch.arange(src * block_size, (src + 1) * block_size)
+    return rows
+
+
+def test_prefill_attention_reads_its_own_chunk_and_cached_prefix():
+    """A chunk of queries at positions 5..9 over keys 0..9 in blocks of 4: causal within the chunk, the prefix
+    from earlier blocks, stale rows of its last block never read."""
+    gen = torch.Generator().manual_seed(1)
+    n_kv, group, head_dim, bs = 1, 2, 4, 4
+    k = torch.randn(10, n_kv, head_dim, generator=gen)
+    v = torch.randn(10, n_kv, head_dim, generator=gen)
+    k_cache, table = _paged([k], bs, 8, random.Random(0))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    v_cache.view(-1, n_kv, head_dim)[(table[0, torch.arange(10) // bs] * bs + torch.arange(10) % bs)] = v
+    q = torch.randn(5, n_kv * group, head_dim, generator=gen)
+    pos = torch.arange(5, 10)
+    out = attend(q, k_cache, v_cache, torch.arange(5)[None], pos[None], table, torch.arange(12), head_dim ** -0.5,
+                 None)
+    expected = torch.stack([_dense(q[i], k, v, int(pos[i]), None) for i in range(5)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -52,7 +52,7 @@ def test_graph_buckets():
 @pytest.mark.slow
 def test_padded_decode_steps_give_the_same_tokens(compiled_engines):
     """What a decode graph replays, run on the CPU: decode steps padded to a batch bucket and a key bucket (padding
-    rows in the scratch KV slot, never sampled) give exactly the unpadded steps' tokens and logits, and every padded
+    rows in the null KV block, never sampled) give exactly the unpadded steps' tokens and logits, and every padded
     step of one shape reads its inputs from the same addresses (DecodeGraphs raises otherwise)."""
     engine = compiled_engines("llama")
     plain_tokens, plain_logits = run_joining(engine, PROMPTS, adapters=MIXED, join_at=JOIN_AT)
@@ -155,7 +155,7 @@ def test_cuda_random_workload_never_recompiles_or_recaptures_for_a_new_mix(model
         run_mix(mix)
     assert engine._graphs.num_graphs == before, "a new adapter mix or newly loaded adapter re-captured a graph"
     assert sum(e.kind == "device_copy" for e in engine.adapters.take_events()) >= 2  # adapters were loaded
-    assert engine.num_free_kv_slots == engine.config.max_batch_size
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
 def _mixed_workload(engine: Engine) -> None:

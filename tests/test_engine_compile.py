@@ -55,7 +55,7 @@ def test_random_workload_never_recompiles(compiled_engines):
     engine.generate([s.prompt_ids for s in full], full[0].sampling, adapters=[s.adapter for s in full])
     sizes_seen = random_workload(engine, random.Random(0), 120, names)
     assert sizes_seen >= set(range(1, max_batch + 1)), f"workload did not cover every batch size: {sizes_seen}"
-    assert engine.num_free_kv_slots == max_batch
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks and engine.num_running == 0
     assert engine.adapters.num_free_slots == engine.config.max_loras_per_batch
 
 
@@ -217,6 +217,9 @@ def test_the_saved_stack_key_follows_what_shapes_the_graph(models):
     base = key()
     assert key() == base
     assert key(max_num_batched_tokens=48) == base  # a per-step budget: dynamic sizes, not the graph
-    changed = [key(max_seq_len=128), key(max_lora_rank=8), key(max_loras_per_batch=2), key(max_batch_size=4),
+    # The KV pool's shape is the graph's, not max_seq_len or max_num_seqs: 4 x 288 positions give the same
+    # default pool as 6 x 192 (KV_MAX_SEQ_FILLS of each, in blocks of 16).
+    assert key(max_num_seqs=4, max_seq_len=288) == base
+    changed = [key(max_seq_len=128), key(block_size=8), key(max_lora_rank=8), key(max_loras_per_batch=2),
                key(prepack_weights=False), key(dtype="bfloat16")]
     assert len({base, *changed}) == len(changed) + 1

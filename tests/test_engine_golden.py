@@ -57,7 +57,7 @@ def test_eager_matches_transformers(models, arch, prepack):
     assert (engine.model.lm_head_packed is not None) == prepack
     tokens, logits = run_joining(engine, PROMPTS)
     assert_matches_reference(models[arch], PROMPTS, tokens, logits)
-    assert engine.num_free_kv_slots == engine.config.max_batch_size
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
 @pytest.mark.slow

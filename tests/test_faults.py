@@ -112,7 +112,7 @@ def served():
 
 def test_engine_step_failure_fails_that_step_and_frees_every_slot(served, monkeypatch):
     engine, runner = served.engine, served.server.runner
-    start = (engine.num_free_kv_slots, engine.adapters.num_free_slots)
+    start = (engine.kv_cache.num_free_blocks, engine.adapters.num_free_slots)
     real_step, failed = engine.step, threading.Event()
 
     def flaky_step(seqs, *args, **kwargs):
@@ -130,7 +130,7 @@ def test_engine_step_failure_fails_that_step_and_frees_every_slot(served, monkey
     assert failed.is_set()
     monkeypatch.undo()
     served.wait_idle()
-    assert (engine.num_free_kv_slots, engine.adapters.num_free_slots) == start
+    assert (engine.kv_cache.num_free_blocks, engine.adapters.num_free_slots) == start
     wait_for(lambda: runner.num_open_streams == 0, what="every stream handler to end")
     want = served.reference(engine.tokenizer.encode("The river"), "pirate", 12, ignore_eos=True)
     with served.client() as client:
@@ -138,16 +138,16 @@ def test_engine_step_failure_fails_that_step_and_frees_every_slot(served, monkey
 
 
 def test_admission_failure_fails_only_that_request(served, monkeypatch):
-    """try_admit raising something unexpected: INTERNAL for that request, the rest go on, nothing leaks."""
+    """Engine.admit raising something unexpected: INTERNAL for that request, the rest go on, nothing leaks."""
     engine = served.engine
-    real_admit = engine.try_admit
+    real_admit = engine.admit
 
     def admit(seq, *args, **kwargs):
         if seq.adapter == "scribe":
             raise RuntimeError("simulated admission bug")
         return real_admit(seq, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "try_admit", admit)
+    monkeypatch.setattr(engine, "admit", admit)
     base = BackgroundStream(served, "Once upon a time", max_new_tokens=40, ignore_eos=True)
     with served.client() as client, pytest.raises(InternalError, match="simulated admission bug"):
         client.complete("Hi", adapter="scribe", max_new_tokens=4)

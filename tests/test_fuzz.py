@@ -216,7 +216,7 @@ def served():
 
 def test_fuzz_requests(served):
     engine = served.engine
-    start_kv, start_lora = engine.num_free_kv_slots, engine.adapters.num_free_slots
+    start_kv, start_lora = engine.kv_cache.num_free_blocks, engine.adapters.num_free_slots
     prompt = engine.tokenizer.encode("Once upon a time")
     reference = served.reference(prompt, "poet", 4, ignore_eos=True)
     stats: Counter = Counter()
@@ -244,7 +244,7 @@ def test_fuzz_requests(served):
     seconds = time.perf_counter() - t0
 
     served.wait_idle()
-    assert (engine.num_free_kv_slots, engine.adapters.num_free_slots) == (start_kv, start_lora)
+    assert (engine.kv_cache.num_free_blocks, engine.adapters.num_free_slots) == (start_kv, start_lora)
     wait_for(lambda: served.server.runner.num_open_streams == 0, what="every stream handler to end")
     assert {a.name for a in engine.adapters.list()} == set(ADAPTERS[1:])  # no random load or unload took
     with served.client() as c:
@@ -257,7 +257,7 @@ def test_fuzz_requests(served):
         "by_kind_and_status": {f"{k} / {c}": n for (k, c), n in sorted(stats.items())},
         "by_status": dict(sorted(sum((Counter({code: n}) for (_, code), n in stats.items()), Counter()).items())),
         "slots_before": {"kv": start_kv, "lora": start_lora},
-        "slots_after": {"kv": engine.num_free_kv_slots, "lora": engine.adapters.num_free_slots},
+        "slots_after": {"kv": engine.kv_cache.num_free_blocks, "lora": engine.adapters.num_free_slots},
     }
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     (REPORT_DIR / "fuzz.json").write_text(json.dumps(report, indent=2))

@@ -158,7 +158,7 @@ def test_compiled_engine_isolates_non_finite_sequences(compiled_engines, adapter
     prompts = [[3] * n for n in (1, 2, 30, 3, 5, 38)]
     refs = [solo(p, None) for p in prompts]
     assert engine.generate(prompts, params) == refs
-    assert engine.num_free_kv_slots == engine.config.max_batch_size
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
 # --- slow readers -------------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_never_read_streams_do_not_hold_kv_slots():
         channel, calls = _never_read_calls(server.target, batch, n)
         wait_for(lambda: runner.num_open_streams == batch, what="the unread streams to open")
         # They generate to the end, whatever their readers do, and give their KV slots back.
-        wait_for(lambda: runner.num_running == 0 and engine.num_free_kv_slots == batch, timeout=120,
+        wait_for(lambda: runner.num_running == 0 and engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks, timeout=120,
                  what="the unread streams to finish generating")
         assert runner.num_open_streams == batch, "the finished output waits for its reader"
         with server.client() as other:
@@ -233,7 +233,7 @@ def test_slow_reader_gets_every_token_in_order_once(served):
     state = served.run(add())
     wait_for(lambda: state.done, timeout=60, what="the request to finish unread")
     # (the loop releases a finished request's slot at the start of its next iteration, a step at most later)
-    wait_for(lambda: engine.num_free_kv_slots == engine.config.max_batch_size, timeout=60,
+    wait_for(lambda: engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks, timeout=60,
              what="its KV slot to be freed before any read")
     tokens, messages, completion = served.run(read_all(state))
     assert tokens == reference and completion == 40 and messages == 1

@@ -24,6 +24,7 @@ METRICS = {  # EPP flag → our /metrics name (the contract with the HTTP door)
     "total-running-requests-metric": "lora_serve:num_requests_running",
     "kv-cache-usage-percentage-metric": "lora_serve:kv_cache_usage_perc",
     "lora-info-metric": "lora_serve:lora_requests_info",
+    "cache-info-metric": "lora_serve:cache_config_info",
 }
 
 
@@ -130,9 +131,10 @@ def test_inference_pool_selects_the_pods_and_the_picker_reads_our_metrics():
     args = dict(a.removeprefix("--").split("=", 1) for a in _container(epp)["args"])
     assert args["pool-name"] == pool["metadata"]["name"] and args["pool-group"] == "inference.networking.k8s.io"
     assert {k: args[k] for k in METRICS} == METRICS
-    # The plugins file the picker loads scores LoRA affinity.
+    # The plugins file the picker loads scores LoRA affinity, KV-cache use and likely cached prefixes.
     config = yaml.safe_load(find("ConfigMap", ref["name"])["data"][Path(args["config-file"]).name])
     assert config["kind"] == "EndpointPickerConfig"
-    assert "lora-affinity-scorer" in {p["type"] for p in config["plugins"]}
-    assert "lora-affinity-scorer" in {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]}
+    scorers = {"lora-affinity-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"}
+    assert scorers <= {p["type"] for p in config["plugins"]}
+    assert scorers <= {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]}
     assert epp["spec"]["template"]["spec"]["serviceAccountName"] == find("ServiceAccount", ref["name"])["metadata"]["name"]

@@ -300,7 +300,7 @@ def test_slots_pin_running_adapters_and_evict_lru(models, adapters):
     a, b, c = (Sequence(i, PROMPTS[1], sp, n) for i, n in enumerate(ADAPTER_SPECS))
     assert engine.try_admit(a) and engine.try_admit(b)
     assert not engine.try_admit(c), "both slots are pinned by running sequences: the third adapter must wait"
-    assert c.kv_slot is None and engine.num_free_kv_slots == engine.config.max_batch_size - 2
+    assert not c.is_admitted and engine.num_running == 2
     with pytest.raises(AdapterInUseError):
         engine.adapters.unregister(a.adapter)
     engine.step([a, b])
@@ -317,4 +317,4 @@ def test_slots_pin_running_adapters_and_evict_lru(models, adapters):
     assert engine.generate([PROMPTS[1]], sp, adapters=[a.adapter])[0] == alone[a.adapter]
     with pytest.raises(AdapterNotFoundError):
         engine.try_admit(Sequence(9, PROMPTS[1], sp, "nope"))
-    assert engine.num_free_kv_slots == engine.config.max_batch_size and engine.adapters.num_free_slots == 2
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks and engine.adapters.num_free_slots == 2

@@ -171,3 +171,28 @@ def test_merger_state_across_adapters_mixed_steps_and_reloads(models, adapters):
 
     # From a fresh start, an adapter alone on packed steps runs merged exactly at its steps_to_merge-th step.
     assert [step(1)[0] for _ in range(merger.steps_to_merge)] == [False] * (merger.steps_to_merge - 1) + [True]
+
+
+def test_kv_written_by_merged_steps_is_reused_by_unmerged_steps_token_for_token(models, adapters):
+    """The prefix cache does not tell merged from per-token LoRA: a follow-up turn whose prefix holds blocks that
+    merged steps wrote runs in a mixed (unmerged) batch and still matches PEFT."""
+    from lora_compile import SamplingParams, Sequence
+
+    model_dir, dirs = models["llama"], adapters["llama"]
+    engine = build_engine(model_dir, dirs, compile=False, merge_lone_adapter="on", merge_after_steps=1, block_size=4)
+    outputs = recording_steps(engine)
+    first = engine.generate(LONE_PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True),
+                            adapters=["all4"] * len(LONE_PROMPTS))
+    assert sum(out.merged for out in outputs) > 5, "the lone run was meant to write blocks from merged steps"
+    follow = LONE_PROMPTS[0] + first[0]
+    outputs.clear()
+    seq = Sequence(1, follow, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), "all4")
+    other = Sequence(2, PROMPTS[1], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), None)
+    assert engine.try_admit(seq) and engine.try_admit(other)
+    assert seq.num_cached_tokens >= len(LONE_PROMPTS[0]) + 8, "the follow-up should hit merged-written blocks"
+    running = [seq, other]
+    while running:
+        engine.step(running)
+        engine.release_finished(running)
+    assert not any(out.merged for out in outputs)
+    assert seq.output_ids == reference_greedy(model_dir, follow, NEW_TOKENS, dirs["all4"])[0]

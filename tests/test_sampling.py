@@ -119,7 +119,7 @@ def test_requests_that_cannot_fit_are_refused(engine):
         engine.try_admit(Sequence(2, [1, 10**6], SamplingParams()))
     with pytest.raises(ValueError, match="at least one token"):
         engine.try_admit(Sequence(3, [], SamplingParams()))
-    assert engine.num_free_kv_slots == engine.config.max_batch_size
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -34,16 +34,16 @@ def served():
 
 def test_cancel_mid_stream_frees_the_slots(served):
     engine = served.engine
-    start_kv = engine.num_free_kv_slots
+    start_kv = engine.kv_cache.num_free_blocks
     with served.client() as client:
         stream = client.generate("Once upon a time", adapter="poet", **LONG)
         received = [next(stream) for _ in range(3)]
         assert served.server.runner.num_running == 1
-        assert engine.num_free_kv_slots == start_kv - 1
+        assert engine.num_running == 1 and engine.kv_cache.num_free_blocks < start_kv
         stream.close()  # leaving the loop early cancels the call
     assert all(c.finish_reason is None for c in received)
     served.wait_idle(timeout=5)  # removed within a step; KV slot and adapter pin are back
-    assert engine.num_free_kv_slots == start_kv
+    assert engine.kv_cache.num_free_blocks == start_kv == engine.kv_cache.num_blocks
     with served.client() as client:  # and the server keeps serving
         assert client.complete("Hello", max_new_tokens=3).usage.completion_tokens == 3
 

@@ -170,7 +170,7 @@ def test_soak(served):
         served.wait_idle()
         wait_for(lambda: runner.num_open_streams == 0, what="every stream handler to end")
         gc.collect()
-        before = dict(rss_mb=_rss_mb(), kv=engine.num_free_kv_slots, lora=engine.adapters.num_free_slots,
+        before = dict(rss_mb=_rss_mb(), kv=engine.kv_cache.num_free_blocks, lora=engine.adapters.num_free_slots,
                       open_streams=runner.num_open_streams)
         t0 = time.perf_counter()
         rss_per_wave = []
@@ -183,7 +183,7 @@ def test_soak(served):
         for ch in chans:
             client.run(ch.close())
     gc.collect()
-    after = dict(rss_mb=_rss_mb(), kv=engine.num_free_kv_slots, lora=engine.adapters.num_free_slots,
+    after = dict(rss_mb=_rss_mb(), kv=engine.kv_cache.num_free_blocks, lora=engine.adapters.num_free_slots,
                  open_streams=runner.num_open_streams)
 
     by_status = Counter()

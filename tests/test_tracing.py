@@ -152,6 +152,7 @@ def test_generate_span_tree(stack: Stack):
     assert (a["gen_ai.request.temperature"], a["gen_ai.request.top_p"], a["gen_ai.request.top_k"],
             a["gen_ai.request.seed"], a["gen_ai.request.max_tokens"]) == (0.7, 0.9, 20, 7, 6)
     assert a["gen_ai.usage.input_tokens"] == responses[-1].usage.prompt_tokens
+    assert a["gen_ai.usage.cache_read.input_tokens"] == responses[-1].usage.cached_tokens  # the prefix cache's
     assert a["gen_ai.usage.output_tokens"] == 6 and a["gen_ai.response.finish_reasons"] == ["length"]
     assert 0 < a["gen_ai.server.time_to_first_token"] < req_span.duration_ns / 1e9
 
@@ -185,7 +186,7 @@ def test_generate_span_tree(stack: Stack):
 
 def test_a_merging_step_shows_its_merge_between_batch_init_and_forward(stack: Stack):
     """A step that merged its lone adapter into the weights (lora_merge) carries that cost as its own span."""
-    from lora_compile.engine import StepOutput
+    from lora_compile.step_output import StepOutput
     step = StepOutput(seq_ids=[7], token_ids=[3], num_tokens=4, num_adapters=1, kind="decode", merged=True,
                       start_ns=time.time_ns(), batch_init_s=0.001, merge_s=0.120, forward_s=0.050, sample_s=0.002)
     stack.served.server.observer.record_step(step, batch_size=4)
@@ -424,7 +425,9 @@ def test_request_events_are_in_order_and_say_whether_the_adapter_was_loaded():
             queued, admitted, _, finished = events
             assert queued.time_ns <= admitted.fields["start_ns"] <= admitted.time_ns
             assert admitted.fields["adapter_loaded"] is loaded, (adapter, loaded)
-            assert finished.fields == {"finish_reason": "length", "prompt_tokens": len(prompt), "completion_tokens": 3}
+            # (cached_tokens 0: the prompt is shorter than a KV block, so there is no full block to share)
+            assert finished.fields == {"finish_reason": "length", "prompt_tokens": len(prompt), "completion_tokens": 3,
+                                       "cached_tokens": 0}
         served.wait_idle()
     finally:
         served.stop()

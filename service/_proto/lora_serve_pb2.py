@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dloraserve/v1/lora_serve.proto\x12\x0cloraserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"|\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"9\n\x0fResponseOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.loraserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.loraserve.v1.SamplingParams\x12\x30\n\x08stopping\x18\x06 \x01(\x0b\x32\x1e.loraserve.v1.StoppingCriteria\x12/\n\x08response\x18\x07 \x01(\x0b\x32\x1d.loraserve.v1.ResponseOptionsB\x07\n\x05input\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xab\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.loraserve.v1.TopLogprobs\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\x11\n\x04stop\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rstop_token_id\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\"\n\x05usage\x18\t \x01(\x0b\x32\x13.loraserve.v1.UsageB\x07\n\x05_stopB\x10\n\x0e_stop_token_id\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xc0\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x1b\n\x13max_loras_per_batch\x18\x06 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08\x63ompiled\x18\n \x01(\x08\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x11\n\tmax_queue\x18\x0c \x01(\r\x12\x1a\n\x12max_cpu_lora_bytes\x18\r \x01(\x04\x12\x1a\n\x12on_demand_adapters\x18\x0e \x01(\x08\"\xf1\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05\x61lpha\x18\x04 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x18\n\x0b\x64\x65vice_slot\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x61\x63tive_requests\x18\x07 \x01(\r\x12\'\n\x04tier\x18\x08 \x01(\x0e\x32\x19.loraserve.v1.AdapterTier\x12\x11\n\ton_demand\x18\t \x01(\x08\x12\x12\n\nhost_bytes\x18\n \x01(\x04\x42\x0e\n\x0c_device_slot\"\x15\n\x13ListAdaptersRequest\"C\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.AdapterInfo\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"A\n\x13LoadAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.loraserve.v1.AdapterInfo\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*r\n\x0b\x41\x64\x61pterTier\x12\x1c\n\x18\x41\x44\x41PTER_TIER_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x44\x41PTER_TIER_DISK\x10\x01\x12\x15\n\x11\x41\x44\x41PTER_TIER_HOST\x10\x02\x12\x17\n\x13\x41\x44\x41PTER_TIER_DEVICE\x10\x03\x32\xf2\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.loraserve.v1.GenerateRequest\x1a\x1e.loraserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.loraserve.v1.TokenizeRequest\x1a\x1e.loraserve.v1.TokenizeResponse\x12L\n\tModelInfo\x12\x1e.loraserve.v1.ModelInfoRequest\x1a\x1f.loraserve.v1.ModelInfoResponse2\x8f\x02\n\x08\x41\x64\x61pters\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12R\n\x0bLoadAdapter\x12 .loraserve.v1.LoadAdapterRequest\x1a!.loraserve.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".loraserve.v1.UnloadAdapterRequest\x1a#.loraserve.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dloraserve/v1/lora_serve.proto\x12\x0cloraserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"|\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"9\n\x0fResponseOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.loraserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.loraserve.v1.SamplingParams\x12\x30\n\x08stopping\x18\x06 \x01(\x0b\x32\x1e.loraserve.v1.StoppingCriteria\x12/\n\x08response\x18\x07 \x01(\x0b\x32\x1d.loraserve.v1.ResponseOptionsB\x07\n\x05input\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xab\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.loraserve.v1.TopLogprobs\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\x11\n\x04stop\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rstop_token_id\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\"\n\x05usage\x18\t \x01(\x0b\x32\x13.loraserve.v1.UsageB\x07\n\x05_stopB\x10\n\x0e_stop_token_id\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xb2\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x1b\n\x13max_loras_per_batch\x18\x06 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08\x63ompiled\x18\n \x01(\x08\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x11\n\tmax_queue\x18\x0c \x01(\r\x12\x1a\n\x12max_cpu_lora_bytes\x18\r \x01(\x04\x12\x1a\n\x12on_demand_adapters\x18\x0e \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x0f \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x10 \x01(\r\x12\x12\n\nblock_size\x18\x11 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x12 \x01(\x04\x12\x16\n\x0eprefix_caching\x18\x13 \x01(\x08\"\xf1\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05\x61lpha\x18\x04 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x18\n\x0b\x64\x65vice_slot\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x61\x63tive_requests\x18\x07 \x01(\r\x12\'\n\x04tier\x18\x08 \x01(\x0e\x32\x19.loraserve.v1.AdapterTier\x12\x11\n\ton_demand\x18\t \x01(\x08\x12\x12\n\nhost_bytes\x18\n \x01(\x04\x42\x0e\n\x0c_device_slot\"\x15\n\x13ListAdaptersRequest\"C\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.AdapterInfo\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"A\n\x13LoadAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.loraserve.v1.AdapterInfo\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*r\n\x0b\x41\x64\x61pterTier\x12\x1c\n\x18\x41\x44\x41PTER_TIER_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x44\x41PTER_TIER_DISK\x10\x01\x12\x15\n\x11\x41\x44\x41PTER_TIER_HOST\x10\x02\x12\x17\n\x13\x41\x44\x41PTER_TIER_DEVICE\x10\x03\x32\xf2\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.loraserve.v1.GenerateRequest\x1a\x1e.loraserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.loraserve.v1.TokenizeRequest\x1a\x1e.loraserve.v1.TokenizeResponse\x12L\n\tModelInfo\x12\x1e.loraserve.v1.ModelInfoRequest\x1a\x1f.loraserve.v1.ModelInfoResponse2\x8f\x02\n\x08\x41\x64\x61pters\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12R\n\x0bLoadAdapter\x12 .loraserve.v1.LoadAdapterRequest\x1a!.loraserve.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".loraserve.v1.UnloadAdapterRequest\x1a#.loraserve.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraserve.v1.lora_serve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2153
-  _globals['_FINISHREASON']._serialized_end=2300
-  _globals['_ADAPTERTIER']._serialized_start=2302
-  _globals['_ADAPTERTIER']._serialized_end=2416
+  _globals['_FINISHREASON']._serialized_start=2290
+  _globals['_FINISHREASON']._serialized_end=2437
+  _globals['_ADAPTERTIER']._serialized_start=2439
+  _globals['_ADAPTERTIER']._serialized_end=2553
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_SAMPLINGPARAMS']._serialized_start=73
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROBS']._serialized_start=736
   _globals['_TOPLOGPROBS']._serialized_end=786
   _globals['_USAGE']._serialized_start=788
-  _globals['_USAGE']._serialized_end=845
-  _globals['_GENERATERESPONSE']._serialized_start=848
-  _globals['_GENERATERESPONSE']._serialized_end=1147
-  _globals['_TOKENIZEREQUEST']._serialized_start=1149
-  _globals['_TOKENIZEREQUEST']._serialized_end=1236
-  _globals['_TOKENIZERESPONSE']._serialized_start=1238
-  _globals['_TOKENIZERESPONSE']._serialized_end=1291
-  _globals['_MODELINFOREQUEST']._serialized_start=1293
-  _globals['_MODELINFOREQUEST']._serialized_end=1311
-  _globals['_MODELINFORESPONSE']._serialized_start=1314
-  _globals['_MODELINFORESPONSE']._serialized_end=1634
-  _globals['_ADAPTERINFO']._serialized_start=1637
-  _globals['_ADAPTERINFO']._serialized_end=1878
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1880
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1901
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1903
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1970
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1972
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2020
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=2022
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2087
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2089
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2125
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2127
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2150
-  _globals['_GENERATION']._serialized_start=2419
-  _globals['_GENERATION']._serialized_end=2661
-  _globals['_ADAPTERS']._serialized_start=2664
-  _globals['_ADAPTERS']._serialized_end=2935
+  _globals['_USAGE']._serialized_end=868
+  _globals['_GENERATERESPONSE']._serialized_start=871
+  _globals['_GENERATERESPONSE']._serialized_end=1170
+  _globals['_TOKENIZEREQUEST']._serialized_start=1172
+  _globals['_TOKENIZEREQUEST']._serialized_end=1259
+  _globals['_TOKENIZERESPONSE']._serialized_start=1261
+  _globals['_TOKENIZERESPONSE']._serialized_end=1314
+  _globals['_MODELINFOREQUEST']._serialized_start=1316
+  _globals['_MODELINFOREQUEST']._serialized_end=1334
+  _globals['_MODELINFORESPONSE']._serialized_start=1337
+  _globals['_MODELINFORESPONSE']._serialized_end=1771
+  _globals['_ADAPTERINFO']._serialized_start=1774
+  _globals['_ADAPTERINFO']._serialized_end=2015
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=2017
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=2038
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2040
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2107
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2109
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2157
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2159
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2224
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2226
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2262
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2264
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2287
+  _globals['_GENERATION']._serialized_start=2556
+  _globals['_GENERATION']._serialized_end=2798
+  _globals['_ADAPTERS']._serialized_start=2801
+  _globals['_ADAPTERS']._serialized_end=3072
 # @@protoc_insertion_point(module_scope)

@@ -98,12 +98,14 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop", "stop_token_id", "usage")
@@ -148,7 +150,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_seq_len", "max_batch_size", "max_loras_per_batch", "max_lora_rank", "dtype", "device", "compiled", "eos_token_ids", "max_queue", "max_cpu_lora_bytes", "on_demand_adapters")
+    __slots__ = ("model", "architecture", "vocab_size", "max_seq_len", "max_batch_size", "max_loras_per_batch", "max_lora_rank", "dtype", "device", "compiled", "eos_token_ids", "max_queue", "max_cpu_lora_bytes", "on_demand_adapters", "max_num_seqs", "num_kv_blocks", "block_size", "kv_cache_tokens", "prefix_caching")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,11 @@ class ModelInfoResponse(_message.Message):
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     MAX_CPU_LORA_BYTES_FIELD_NUMBER: _ClassVar[int]
     ON_DEMAND_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -177,7 +184,12 @@ class ModelInfoResponse(_message.Message):
     max_queue: int
     max_cpu_lora_bytes: int
     on_demand_adapters: bool
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_loras_per_batch: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., compiled: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_queue: _Optional[int] = ..., max_cpu_lora_bytes: _Optional[int] = ..., on_demand_adapters: _Optional[bool] = ...) -> None: ...
+    max_num_seqs: int
+    num_kv_blocks: int
+    block_size: int
+    kv_cache_tokens: int
+    prefix_caching: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_loras_per_batch: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., compiled: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_queue: _Optional[int] = ..., max_cpu_lora_bytes: _Optional[int] = ..., on_demand_adapters: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("name", "path", "rank", "alpha", "target_modules", "device_slot", "active_requests", "tier", "on_demand", "host_bytes")

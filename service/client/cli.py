@@ -101,7 +101,8 @@ def _run_client_command(client, args) -> int:
         if last is not None and last.usage is not None:
             stop = f" ({last.stop!r})" if last.stop is not None else ""
             replica = f"; replica {last.replica_id}" if last.replica_id else ""
-            print(f"[finish: {last.finish_reason}{stop}; prompt {last.usage.prompt_tokens} tokens, "
+            cached = f" ({last.usage.cached_tokens} cached)" if last.usage.cached_tokens else ""
+            print(f"[finish: {last.finish_reason}{stop}; prompt {last.usage.prompt_tokens} tokens{cached}, "
                   f"completion {last.usage.completion_tokens} tokens{replica}]", file=sys.stderr)
     elif args.command == "adapters":
         if args.action == "list":

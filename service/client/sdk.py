@@ -30,6 +30,7 @@ _FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "st
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the server's prefix cache (included in prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class ModelInfo:
     architecture: str
     vocab_size: int
     max_seq_len: int
-    max_batch_size: int
+    max_batch_size: int       # the old name of max_num_seqs (same value)
     max_loras_per_batch: int
     max_lora_rank: int
     dtype: str
@@ -93,6 +94,11 @@ class ModelInfo:
     max_queue: int
     max_cpu_lora_bytes: int = 0
     on_demand_adapters: bool = False
+    max_num_seqs: int = 0     # sequences running at once
+    num_kv_blocks: int = 0    # the paged KV cache: num_kv_blocks x block_size = kv_cache_tokens
+    block_size: int = 0
+    kv_cache_tokens: int = 0
+    prefix_caching: bool = False
 
 
 # --- proto conversions (shared by both clients) -----------------------------------------------------
@@ -141,7 +147,8 @@ def chunk_from_proto(msg: pb.GenerateResponse, replica_id: str = "") -> Generate
         finish_reason=_FINISH_REASONS.get(msg.finish_reason) if finished else None,
         stop=msg.stop if msg.HasField("stop") else None,
         stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
-        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if finished else None,
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
+        if finished else None,
         request_id=msg.request_id, replica_id=replica_id,
     )
 
@@ -165,7 +172,8 @@ def _adapter_info(msg: pb.AdapterInfo) -> AdapterInfo:
 def _model_info(msg: pb.ModelInfoResponse) -> ModelInfo:
     return ModelInfo(msg.model, msg.architecture, msg.vocab_size, msg.max_seq_len, msg.max_batch_size,
                      msg.max_loras_per_batch, msg.max_lora_rank, msg.dtype, msg.device, msg.compiled,
-                     tuple(msg.eos_token_ids), msg.max_queue, msg.max_cpu_lora_bytes, msg.on_demand_adapters)
+                     tuple(msg.eos_token_ids), msg.max_queue, msg.max_cpu_lora_bytes, msg.on_demand_adapters,
+                     msg.max_num_seqs, msg.num_kv_blocks, msg.block_size, msg.kv_cache_tokens, msg.prefix_caching)
 
 
 _TIER_NAMES = {pb.ADAPTER_TIER_DISK: "disk", pb.ADAPTER_TIER_HOST: "host", pb.ADAPTER_TIER_DEVICE: "device"}

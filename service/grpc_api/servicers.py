@@ -97,10 +97,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         m = self._model
         return pb.ModelInfoResponse(
             model=m.model, architecture=m.architecture, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len,
-            max_batch_size=m.max_batch_size, max_loras_per_batch=m.max_loras_per_batch,
+            max_batch_size=m.max_num_seqs, max_loras_per_batch=m.max_loras_per_batch,
             max_lora_rank=m.max_lora_rank, dtype=m.dtype, device=m.device, compiled=m.compiled,
             eos_token_ids=list(m.eos_token_ids), max_queue=self._runner.limits.max_queue,
             max_cpu_lora_bytes=m.max_cpu_lora_bytes, on_demand_adapters=m.on_demand_adapters,
+            max_num_seqs=m.max_num_seqs, num_kv_blocks=m.num_kv_blocks, block_size=m.block_size,
+            kv_cache_tokens=m.kv_cache_tokens, prefix_caching=m.prefix_caching,
         )
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -182,6 +184,7 @@ def _response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
         msg.finish_reason = _FINISH_REASONS[out.finish_reason]
         msg.usage.prompt_tokens = out.prompt_tokens
         msg.usage.completion_tokens = out.completion_tokens
+        msg.usage.cached_tokens = out.cached_tokens
         if out.stop is not None:
             msg.stop = out.stop
         if out.stop_token_id is not None:

@@ -135,11 +135,14 @@ class _Routes:
             self._authorize(request, _LIST)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        created = convert.now()
-        base = {"id": self.info.model, "object": "model", "created": created, "owned_by": "lora-serve",
-                "root": self.info.model, "parent": None, "max_model_len": self.info.max_seq_len}
+        created, info = convert.now(), self.info
+        # vLLM's max_model_len, and the KV pool every entry shares (adapters run on the base model's cache)
+        limits = {"max_model_len": info.max_seq_len, "num_kv_blocks": info.num_kv_blocks,
+                  "block_size": info.block_size, "kv_cache_tokens": info.kv_cache_tokens}
+        base = {"id": info.model, "object": "model", "created": created, "owned_by": "lora-serve",
+                "root": info.model, "parent": None, **limits}
         adapters = [{"id": a.name, "object": "model", "created": created, "owned_by": "lora-serve",
-                     "root": a.path, "parent": self.info.model, "max_model_len": self.info.max_seq_len}
+                     "root": a.path, "parent": info.model, **limits}
                     for a in self.runner.list_adapters()]
         return JSONResponse({"object": "list", "data": [base, *adapters]})
 

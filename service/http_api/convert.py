@@ -141,9 +141,11 @@ def stop_reason(out: RequestOutput) -> str | int | None:
     return out.stop if out.stop is not None else out.stop_token_id
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV the prefix cache held (included in prompt_tokens)."""
     return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
 def completion_logprobs(out: RequestOutput, pieces: Callable[[list[int]], list[str]], offset: int) -> dict[str, Any]:

@@ -6,7 +6,9 @@ a request never holds up the ones behind it for something they do not need:
 - its adapter needs a device slot and every slot is pinned by running requests: it keeps its place, and requests
   behind it whose adapter is already in a slot (or the base model) may pass, at most `max_overtakes` of them;
   then admission holds until a slot is unpinned, so a hot adapter cannot starve a cold one;
-- no KV slot is free: nothing else can be admitted either; admission stops.
+- max_num_seqs sequences run, or too few KV blocks are free for its prompt: admission stops (first come, first
+  served: a shorter prompt behind it does not pass it; blocks free up as running sequences finish).
+The engine decides each of these (Engine.admit's AdmitOutcome); admission only orders the queue.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from lora_compile import Engine
+from lora_compile.step_output import AdmitOutcome
 from lora_compile.errors import AdapterError, AdapterNotFoundError, AdapterNotReadyError, AdapterOutputError
 from service.errors import EngineFailure, FailedPrecondition
 from service.runner.request import RequestEventType
@@ -67,7 +70,7 @@ def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
     blocked: RequestState | None = None  # the oldest request waiting for a device slot
     manager = engine.adapters
     for state in candidates:
-        if not engine.num_free_kv_slots:
+        if engine.num_running >= engine.config.max_num_seqs:
             break
         if state.aborted:
             rejected.append((state, None))  # dropped; nothing to report to anyone
@@ -94,7 +97,7 @@ def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
             continue  # no slot for it either / the bound is reached: wait for the blocked request
         admit_ns = time.time_ns()
         try:
-            ok = engine.try_admit(state.seq, read_adapter=False)  # adapters are read on the loader, not here
+            outcome = engine.admit(state.seq, read_adapter=False)  # adapters are read on the loader, not here
         except AdapterNotReadyError:  # evicted from host memory since start_load: read again; it keeps its place
             try:
                 if not start_load(engine, state, on_load_done):
@@ -105,11 +108,11 @@ def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
         except Exception as exc:  # noqa: BLE001 - e.g. the adapter was unloaded while it waited
             rejected.append((state, load_error(name, exc, manager.is_registered(name)) if name else exc))
             continue
-        if not ok:
-            if not engine.num_free_kv_slots:
-                break
+        if outcome is AdmitOutcome.NO_ADAPTER_SLOT:
             blocked = blocked or state
             continue
+        if outcome is not AdmitOutcome.ADMITTED:  # no sequence slot or KV blocks: nobody behind it passes
+            break
         if blocked is not None:
             blocked.overtaken += 1
         fields = {"start_ns": admit_ns, "adapter_loaded": state.seq.adapter_loaded}

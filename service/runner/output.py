@@ -52,3 +52,4 @@ class OutputProcessor:
         out.finish_reason = reason
         out.prompt_tokens = len(self._seq.prompt_ids)
         out.completion_tokens = self._n_seen  # tokens sent; a cancelled step may have appended one more
+        out.cached_tokens = self._seq.num_cached_tokens

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from lora_compile.engine import StepOutput
+    from lora_compile.step_output import StepOutput
     from service.runner.request_state import RequestState
 
 
@@ -16,8 +16,14 @@ class SchedulerStats:
 
     num_running: int
     num_waiting: int
-    kv_used_tokens: int          # tokens held by the running sequences (prompt + output so far)
-    kv_capacity_tokens: int      # max_batch_size * max_seq_len: every KV slot full
+    kv_cache_usage: float        # share of the KV cache's usable blocks held by running sequences (0..1)
+    num_kv_blocks: int           # usable blocks of block_size tokens
+    block_size: int
+    prefix_caching: bool
+    # Monotonic since start: prompt tokens looked up in / found in the prefix cache, and preemptions.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
     max_loras: int               # adapters a batch may hold (device slots)
     running_adapters: tuple[str, ...]
     waiting_adapters: tuple[str, ...]

@@ -28,7 +28,7 @@ class ModelInfo:
     architecture: str
     vocab_size: int          # ids the model and the tokenizer both know
     max_seq_len: int
-    max_batch_size: int
+    max_num_seqs: int        # sequences running at once (max_batch_size: its old name)
     max_loras_per_batch: int
     max_lora_rank: int
     dtype: str
@@ -38,6 +38,17 @@ class ModelInfo:
     max_token_chars: int     # the tokenizer's longest token, in characters (bounds a text prompt's length)
     max_cpu_lora_bytes: int = 0       # host cache of adapters
     on_demand_adapters: bool = False  # adapter directories are set
+    num_kv_blocks: int = 0            # the paged KV cache: usable blocks of block_size tokens
+    block_size: int = 0
+    prefix_caching: bool = False
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.max_num_seqs
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
 
 
 @dataclass
@@ -53,6 +64,7 @@ class RequestOutput:
     stop_token_id: int | None = None  # the matched stop token
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0            # prompt tokens served from the prefix cache (set with finish_reason)
 
     @property
     def finished(self) -> bool:
@@ -64,7 +76,7 @@ class RequestOutput:
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
         self.top_logprobs += later.top_logprobs
-        for name in ("finish_reason", "stop", "stop_token_id", "prompt_tokens", "completion_tokens"):
+        for name in ("finish_reason", "stop", "stop_token_id", "prompt_tokens", "completion_tokens", "cached_tokens"):
             setattr(self, name, getattr(later, name))
 
 
@@ -76,7 +88,8 @@ class RequestEventType(enum.Enum):
     # adapter's disk read: adapter_wait_start_ns (when it began waiting), adapter_read (the read's start, end)
     ADMITTED = "admitted"
     FIRST_TOKEN = "first_token"  # at the end of the step that sampled it
-    FINISHED = "finished"        # fields: finish_reason, prompt_tokens, completion_tokens; or error (the exception)
+    # fields: finish_reason, prompt_tokens, completion_tokens, cached_tokens; or error (the exception)
+    FINISHED = "finished"
     ABORTED = "aborted"          # the client went away before the last output (cancel, deadline, closed stream)
 
 

@@ -22,7 +22,7 @@ class RequestState:
 
     Slow readers never hold the batch: the request is stepped whatever its reader does, and what the reader has
     not taken yet is merged into one pending output (vLLM's RequestOutputCollector), bounded by max_new_tokens.
-    Its KV slot is freed when it finishes; the finished output then waits `keep_finished_s` for the reader."""
+    Its KV blocks are freed when it finishes; the finished output then waits `keep_finished_s` for the reader."""
 
     request: GenerationRequest
     seq: Sequence
@@ -69,7 +69,8 @@ class RequestState:
         self.done = True
         if isinstance(item, RequestOutput):
             self.record_event(RequestEventType.FINISHED, finish_reason=item.finish_reason,
-                              prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens)
+                              prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
+                              cached_tokens=item.cached_tokens)
         else:
             self.record_event(RequestEventType.FINISHED, error=item)
         self.push(item)

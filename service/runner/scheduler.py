@@ -56,7 +56,7 @@ class EngineRunner:
         self._accepting = True
         self._idle: asyncio.Event | None = None
         self._open_streams = 0  # add_request .. abort: handlers still streaming, finished or not
-        self.max_streams = limits.max_concurrent_streams or engine.config.max_batch_size + limits.max_queue
+        self.max_streams = limits.max_concurrent_streams or engine.config.max_num_seqs + limits.max_queue
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -97,15 +97,16 @@ class EngineRunner:
 
     # --- the service's door to the engine: nothing else in service/ touches the engine object ---------
     def model_info(self) -> ModelInfo:
-        engine, cfg, tok = self.engine, self.engine.config, self.engine.tokenizer
+        engine, cfg, tok, kv = self.engine, self.engine.config, self.engine.tokenizer, self.engine.kv_cache
         return ModelInfo(
             model=engine.model_name, architecture=engine.model_config.architecture,
             vocab_size=min(engine.model_config.vocab_size, tok.vocab_size), max_seq_len=cfg.max_seq_len,
-            max_batch_size=cfg.max_batch_size, max_loras_per_batch=cfg.max_loras_per_batch,
+            max_num_seqs=cfg.max_num_seqs, max_loras_per_batch=cfg.max_loras_per_batch,
             max_lora_rank=cfg.max_lora_rank, dtype=str(engine.dtype).removeprefix("torch."),
             device=str(engine.device), compiled=cfg.compile, eos_token_ids=tuple(sorted(tok.eos_token_ids)),
             max_token_chars=tok.max_token_chars, max_cpu_lora_bytes=engine.adapters.max_cpu_lora_bytes,
-            on_demand_adapters=bool(engine.adapters.adapter_dirs))
+            on_demand_adapters=bool(engine.adapters.adapter_dirs), num_kv_blocks=kv.num_blocks,
+            block_size=kv.block_size, prefix_caching=cfg.enable_prefix_caching)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize (thread-safe: the tokenizer is not torch; long texts release the GIL)."""
@@ -166,8 +167,8 @@ class EngineRunner:
             raise Unavailable("server is draining (shutting down); retry on another replica")
         # Count against batch + queue, not the queue alone: a burst on an idle server is admitted at once.
         in_flight = len(self._waiting) + len(self._running)
-        if in_flight >= self.engine.config.max_batch_size + self.limits.max_queue:
-            raise QueueFull(max(0, in_flight - self.engine.config.max_batch_size), self.limits.retry_after_s)
+        if in_flight >= self.engine.config.max_num_seqs + self.limits.max_queue:
+            raise QueueFull(max(0, in_flight - self.engine.config.max_num_seqs), self.limits.retry_after_s)
         if self._open_streams >= self.max_streams:  # includes finished streams still flushing to slow readers
             raise TooManyStreams(self.max_streams, self.limits.retry_after_s)
 
@@ -223,15 +224,17 @@ class EngineRunner:
         return self.engine.config.model
 
     def stats(self) -> SchedulerStats:
-        """A snapshot for metrics; cheap (no engine call), read on the event loop."""
-        cfg, adapters = self.engine.config, self.engine.adapters
+        """A snapshot for metrics; cheap (no engine call: the KV counters are plain attributes), read on the
+        event loop."""
+        cfg, adapters, kv = self.engine.config, self.engine.adapters, self.engine.kv_cache
         running = [s for s in self._running if not s.done]
         waiting = [s for s in self._waiting if not s.aborted]
         device, host = adapters.residency()
         return SchedulerStats(
-            num_running=len(running), num_waiting=len(waiting),
-            kv_used_tokens=sum(len(s.seq.prompt_ids) + len(s.seq.output_ids) for s in running),
-            kv_capacity_tokens=cfg.max_batch_size * cfg.max_seq_len, max_loras=cfg.max_loras_per_batch,
+            num_running=len(running), num_waiting=len(waiting), kv_cache_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks, block_size=kv.block_size, prefix_caching=cfg.enable_prefix_caching,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.engine.num_preemptions, max_loras=cfg.max_loras_per_batch,
             running_adapters=tuple(sorted({s.request.adapter for s in running if s.request.adapter})),
             waiting_adapters=tuple(sorted({s.request.adapter for s in waiting if s.request.adapter})),
             device_adapters=device, host_adapters=host, adapter_tiers=adapters.tier_counts())
@@ -285,7 +288,7 @@ class EngineRunner:
         CPU), and not once a batch is waiting. A lone request on an idle server pays _BURST_GAP_S."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _BURST_MAX_S
-        while len(self._waiting) < self.engine.config.max_batch_size:
+        while len(self._waiting) < self.engine.config.max_num_seqs:
             self._wakeup.clear()
             timeout = min(_BURST_GAP_S, deadline - loop.time())
             if timeout <= 0:
@@ -303,7 +306,7 @@ class EngineRunner:
     def _sweep_aborted(self) -> None:
         if any(s.aborted for s in self._waiting):
             # (a waiting request holds no slots, unless an iteration failed between admitting and moving it)
-            self._to_release += [s.seq for s in self._waiting if s.aborted and s.seq.kv_slot is not None]
+            self._to_release += [s.seq for s in self._waiting if s.aborted and s.seq.is_admitted]
             self._waiting = deque(s for s in self._waiting if not s.aborted)
         for state in [s for s in self._running if s.aborted]:
             self._running.remove(state)
@@ -353,7 +356,14 @@ class EngineRunner:
             return
         end_ns = result.step.end_ns if result.step is not None else 0
         failed = result.step.failed_adapters if result.step is not None else {}
+        preempted = set(result.step.preempted) if result.step is not None else set()
+        if preempted:  # their blocks were taken back: first in line again, oldest first; recomputed on readmission
+            back = [s for s in result.stepped if s.seq.seq_id in preempted]
+            self._running = [s for s in self._running if s.seq.seq_id not in preempted]
+            self._waiting.extendleft(reversed(back))
         for state in result.stepped:
+            if state.seq.seq_id in preempted:
+                continue
             if len(state.seq.output_ids) == 1:  # at most one token per step: this step sampled the first
                 state.record_event(RequestEventType.FIRST_TOKEN, end_ns)
             if state.aborted:

@@ -37,7 +37,7 @@ from service.telemetry.interceptor import CallSpan, current_call, set_error
 from service.telemetry.setup import Telemetry, never_raise
 
 if TYPE_CHECKING:
-    from lora_compile.engine import StepOutput
+    from lora_compile.step_output import StepOutput
     from service.runner.reports import IterationResult
     from service.runner.request_state import RequestState
 
@@ -264,7 +264,9 @@ class TelemetryObserver:
     def _finished(self, rec: _Request, at: int, fields: dict[str, Any]) -> None:
         """The last output: usage and finish reason (the span ends with the stream, or the call)."""
         prompt, completion = fields["prompt_tokens"], fields["completion_tokens"]
+        # cache_read: the semantic conventions' name for input tokens served from a cache (the prefix cache)
         rec.span.set_attributes({"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
+                                 "gen_ai.usage.cache_read.input_tokens": fields.get("cached_tokens", 0),
                                  "gen_ai.response.finish_reasons": [fields["finish_reason"] or ""]})
         self.token_usage.record(prompt, {**rec.attrs, "gen_ai.token.type": "input"})
         self.token_usage.record(completion, {**rec.attrs, "gen_ai.token.type": "output"})

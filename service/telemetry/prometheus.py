@@ -1,9 +1,10 @@
 """Prometheus metrics for `/metrics` (the HTTP door), in the `lora_serve:` namespace: the model-server protocol of
-the Gateway API Inference Extension (queue, running, KV-cache use, LoRA state in vLLM's `lora_requests_info`
-format) and vLLM's request counters and latency histograms.
+the Gateway API Inference Extension (queue, running, KV-cache use, cache config, LoRA state in vLLM's
+`lora_requests_info` format) and vLLM's request, prefix-cache and preemption counters and latency histograms.
 
 Two sources, neither of which steers anything:
-  - gauges are read from the scheduler at scrape time (`EngineRunner.stats()`), so they are exact when scraped;
+  - gauges and the engine's own counters (prefix cache, preemptions) are read from the scheduler at scrape time
+    (`EngineRunner.stats()`), so they are exact when scraped;
   - counters and histograms are fed by the runner's observer hooks (`on_finished`: the request's lifecycle events).
 One registry per server (a process may run several, as the tests do). The OTLP metrics of observer.py are
 independent of these and keep working.
@@ -21,7 +22,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.runner.request import RequestEventType
@@ -50,7 +51,7 @@ class _SchedulerCollector(Collector):
         self._stats = stats
         self._model = model_name
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
         model = ["model_name"], [self._model]
 
@@ -59,10 +60,27 @@ class _SchedulerCollector(Collector):
             g.add_metric(model[1], value)
             return g
 
+        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+            # The engine's own monotonic counts, read at scrape time (exposed as <name>_total)
+            c = CounterMetricFamily(PREFIX + name, doc, labels=model[0])
+            c.add_metric(model[1], value)
+            return c
+
         yield gauge("num_requests_running", "Requests in the running batch", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be admitted", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "KV-cache use: tokens held by running requests / token capacity (0..1)",
-                    s.kv_used_tokens / s.kv_capacity_tokens if s.kv_capacity_tokens else 0.0)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: share of the KV blocks held by running requests (0..1)",
+                    s.kv_cache_usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV not computed again)",
+                      s.prefix_cache_hits)
+        yield counter("num_preemptions", "Running requests preempted for KV blocks (recomputed when readmitted)",
+                      s.num_preemptions)
+        # vLLM's cache_config_info: the endpoint picker's prefix-cache scorer sizes its per-pod index from these
+        # labels (block_size, num_gpu_blocks: the blocks of the KV pool, on whichever device holds it).
+        config = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache configuration (the value is 1)",
+                                   labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        config.add_metric([str(s.block_size), str(s.num_kv_blocks), str(s.prefix_caching)], 1.0)
+        yield config
         # vLLM's format, read by the endpoint picker: the value is the time of the snapshot.
         info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])

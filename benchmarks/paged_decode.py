@@ -1,0 +1,82 @@
+"""Decode step time of this tree beside another checkout (e.g. the slot KV cache the paged one replaced), each
+measured in its own process, the two alternating pair by pair, so drift on a shared machine hits both alike.
+
+    python -m benchmarks.paged_decode --baseline /path/to/other/checkout [--batches 8 32] [--pairs 3]
+
+The SmolLM2-135M-shaped checkpoint, compiled, float32; per batch size: the base model, and 8 rank-16 adapters
+on all 7 projections mixed across the batch. Prompts of --prompt-len tokens, then --steps decode steps timed
+(benchmarks.common.decode_step_time, which both trees have). Prints each pair's step times and the ratio
+this tree / baseline (median over pairs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+
+# Runs inside each tree, with only what both trees have.
+MEASURE = """
+import json, sys, tempfile
+from pathlib import Path
+from benchmarks.common import decode_step_time, register_adapters, smollm2_checkpoint, write_lora_adapters
+from lora_compile import Engine, EngineConfig
+from service.runner import engine_thread
+batches, steps, prompt_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+def run():
+    model = smollm2_checkpoint()
+    names = [f"a{i}" for i in range(8)]
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", max_batch_size=max(batches),
+                                 max_seq_len=prompt_len + steps + 64, max_num_batched_tokens=512,
+                                 max_loras_per_batch=8, max_lora_rank=16))
+    register_adapters(engine, write_lora_adapters(model, Path(tempfile.mkdtemp()), names))
+    engine.warmup()
+    out = {}
+    for b in batches:
+        for kind, adapters in (("base", [None]), ("8 adapters", names)):
+            decode_step_time(engine, b, adapters, 4, prompt_len)  # settle
+            out[f"{kind} batch {b}"] = decode_step_time(engine, b, adapters, steps, prompt_len)[0]
+    return out
+print("RESULT " + json.dumps(engine_thread.call(run)), flush=True)
+"""
+
+
+def measure(tree: Path, batches: list[int], steps: int, prompt_len: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(batches), str(steps), str(prompt_len)],
+                          cwd=tree, env=env, capture_output=True, text=True, check=True)
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--baseline", type=Path, required=True, help="the other checkout (its own lora_compile)")
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--prompt-len", type=int, default=200)
+    args = p.parse_args()
+    ratios: dict[str, list[float]] = {}
+    for i in range(args.pairs):
+        order = [("this", HERE), ("baseline", args.baseline.resolve())]
+        if i % 2:
+            order.reverse()
+        got = {name: measure(tree, args.batches, args.steps, args.prompt_len) for name, tree in order}
+        for key, t in got["this"].items():
+            b = got["baseline"][key]
+            ratios.setdefault(key, []).append(t / b)
+            print(f"pair {i + 1}  {key:<22} this {1000 * t:7.2f} ms  baseline {1000 * b:7.2f} ms  ratio {t / b:.3f}",
+                  flush=True)
+    print("median ratio this / baseline (below 1: this tree is faster)")
+    for key, r in ratios.items():
+        print(f"  {key:<22} {statistics.median(r):.3f}  ({', '.join(f'{x:.3f}' for x in r)})")
+
+
+if __name__ == "__main__":
+    main()
