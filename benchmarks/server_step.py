@@ -25,7 +25,7 @@ from benchmarks.common import decode_step_time, smollm2_checkpoint
 from benchmarks.serving import percentile
 from lora_compile import Engine, EngineConfig
 from service.client import AsyncLoraServeClient
-from service.grpc_api.server import LoraServer, ServerConfig
+from service.server import LoraServer, ServerConfig
 
 BATCH = 8
 

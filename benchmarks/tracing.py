@@ -30,7 +30,7 @@ from benchmarks.common import proc_stat, smollm2_checkpoint, write_lora_adapter
 from benchmarks.engine import LIMITS
 from lora_compile import Engine, EngineConfig
 from service._proto import pb, pb_grpc
-from service.grpc_api.server import LoraServer, ServerConfig
+from service.server import LoraServer, ServerConfig
 from service.telemetry.setup import setup_telemetry
 from service.tools.otlp_receiver import GrpcReceiver, OtlpSink
 from service.tools.trace_summary import batch_init_share, format_step_stats, step_times

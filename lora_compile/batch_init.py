@@ -11,7 +11,7 @@ same addresses every time (cuda_graphs).
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceLike
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +43,10 @@ class StepInputs:
     logits_idx: torch.Tensor
     sampled: list[Sequence]
     num_adapters: int  # distinct adapters in the step
+    # Prompt log-probabilities: logits rows after the sampled ones (logits_idx), each sequence with its number of
+    # rows, in order, and the prompt token each row scores (the next position's).
+    prompt_rows: list[tuple[Sequence, int]] = field(default_factory=list)
+    prompt_targets: torch.Tensor | None = None
 
     def addresses(self) -> tuple[int, ...]:
         """Where every input a decode graph reads lives: equal between steps of one graph shape."""
@@ -55,11 +59,24 @@ def _lora_slot(p: Planned) -> int:
 
 
 # The buffer's columns, in order; each step fills them back to back and reads each back as a view by name. The
-# decode block table, whose width follows the keys read, comes last but for logits_idx: a decode step's other
-# columns lie at offsets that depend on its row count alone (cached views; a CUDA graph's fixed addresses).
+# decode block table, whose width follows the keys read, comes last but for logits_idx and prompt_targets: a decode
+# step's other columns lie at offsets that depend on its row count alone (cached views; a CUDA graph's fixed addresses).
 COLUMNS = ("input_ids", "positions", "slot_mapping", "decode_token_idx", "decode_q_pos", "prefill_token_idx",
-           "prefill_q_pos", "out_idx", "weight_indices", "prefill_block_table", "decode_block_table", "logits_idx")
+           "prefill_q_pos", "out_idx", "weight_indices", "prefill_block_table", "decode_block_table", "logits_idx",
+           "prompt_targets")
 _MATRICES = ("prefill_token_idx", "prefill_q_pos", "prefill_block_table", "decode_block_table")
+# Logits rows a step computes for prompt log-probabilities, at most ((rows, vocab) float32 and its log-softmax): a
+# prompt that asks for them is prefilled in chunks that fit.
+PROMPT_LOGITS_BYTES = 128 << 20
+
+
+def prompt_logprob_span(seq: Sequence, start: int, length: int) -> tuple[int, int]:
+    """The positions [first, end) of a chunk at [start, start + length) whose logits give prompt log-probabilities
+    still owed (position p scores prompt token p + 1); empty where the chunk starts past the next one owed."""
+    owed = len(seq.prompt_logprobs) if seq.prompt_logprobs_pending else len(seq.prompt_ids)
+    if start > owed:
+        return start, start
+    return owed, max(owed, min(start + length, len(seq.prompt_ids) - 1))
 
 
 def table_width(keys: int, block_size: int) -> int:
@@ -68,16 +85,18 @@ def table_width(keys: int, block_size: int) -> int:
 
 
 class BatchInit:
-    def __init__(self, config: EngineConfig, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device, vocab_size: int):
         self.budget = config.max_num_batched_tokens
+        self.max_prompt_logits_rows = max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))
         self.block_size = config.block_size
         max_tokens = config.max_num_batched_tokens + 1
         self.arange = torch.arange(max(config.max_seq_len, max_tokens), device=device)
         rows = config.max_num_seqs + 2
         width = table_width(config.max_seq_len, config.block_size)
-        # Per token: ids, positions, slot_mapping, out_idx, weight_indices; per sequence: decode index and
-        # position, sampled row; per prefill row: token index and position of each column; block tables.
-        capacity = 5 * max_tokens + 3 * rows + 2 * rows * max_tokens + 2 * rows * width + 64
+        # Per token: ids, positions, slot_mapping, out_idx, weight_indices, prompt logits row and target; per
+        # sequence: decode index and position, sampled row; per prefill row: token index and position of each
+        # column; block tables.
+        capacity = 7 * max_tokens + 3 * rows + 2 * rows * max_tokens + 2 * rows * width + 64
         self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.device_buf = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
         self.np = self.host.numpy()
@@ -96,11 +115,19 @@ class BatchInit:
             else:
                 rest.append((seq, computed, remaining))
         budget = self.budget - len(single)
+        rows_left = self.max_prompt_logits_rows
         chunks = []
         for seq, computed, remaining in rest:
             if budget <= 0:
                 break
             n = min(remaining, budget)
+            if seq.prompt_logprobs_pending:  # its chunk is cut to the logits rows left (the rest waits)
+                first, end = prompt_logprob_span(seq, computed, n)
+                if end - first > rows_left:
+                    n = first - computed + rows_left
+                rows_left -= min(end - first, rows_left)
+                if n <= 0:
+                    continue
             budget -= n
             chunks.append(Planned(seq, computed, n))  # a one-token chunk too: `single` holds last tokens only
         # One adapter's tokens side by side: the LoRA kernels then read a slot's weights from memory once and from
@@ -236,15 +263,22 @@ class BatchInit:
         dec_width, pre_width = table_width(dec_keys, bs), table_width(pre_keys, bs)
         weight_indices = lora_col if lora_slots != {0} and not merged else []  # merged: no LoRA work
         logits_idx, sampled = [], []
+        prompt_idx, prompt_targets, prompt_rows = [], [], []  # rows after the sampled ones
         flat = 0
         for p in (*single, *chunks):
-            flat += p.length
             if p.samples:
-                logits_idx.append(flat - 1)
+                logits_idx.append(flat + p.length - 1)
                 sampled.append(p.seq)
+            first, end = prompt_logprob_span(p.seq, p.start, p.length) if p.seq.prompt_logprobs_pending else (0, 0)
+            if end > first:
+                prompt_idx += range(flat + first - p.start, flat + end - p.start)
+                prompt_targets += p.seq.prompt_ids[first + 1:end + 1]
+                prompt_rows.append((p.seq, end - first))
+            flat += p.length
+        logits_idx += prompt_idx
 
         columns = dict(zip(COLUMNS, (input_ids, positions, slot_mapping, dec_idx, dec_pos, pre_idx, pre_pos,
-                                     out_idx, weight_indices, None, None, logits_idx)))
+                                     out_idx, weight_indices, None, None, logits_idx, prompt_targets)))
         lengths = {name: len(c) if c is not None else 0 for name, c in columns.items()}
         lengths["prefill_block_table"] = n_rows * pre_width
         lengths["decode_block_table"] = len(dec_idx) * dec_width
@@ -270,4 +304,5 @@ class BatchInit:
             out_idx=v["out_idx"],
         )
         lora = LoRABatch(weight_indices=v["weight_indices"] if weight_indices else None)
-        return StepInputs(v["input_ids"], v["positions"], attn, lora, v["logits_idx"], sampled, len(lora_slots - {0}))
+        return StepInputs(v["input_ids"], v["positions"], attn, lora, v["logits_idx"], sampled, len(lora_slots - {0}),
+                          prompt_rows, v["prompt_targets"] if prompt_rows else None)

@@ -27,6 +27,7 @@ from .layers import rope_tables
 from .lora_manager import LoRAManager
 from .lora_merge import build_merger
 from .model import CausalLM
+from .prompt_logprobs import PromptLogprobs
 from .sampling import NON_FINITE, SamplingParams, sample
 from .sequence import Sequence
 from .tokenizer import Tokenizer
@@ -102,7 +103,7 @@ class Engine:
         self._merger = build_merger(self.model, config.merge_lone_adapter,
                                     self.weights_packed and self.dtype == torch.float32,
                                     self.adapters.slot_generation, config.merge_after_steps)
-        self.batch_init = BatchInit(config, self.device)
+        self.batch_init = BatchInit(config, self.device, mc.vocab_size)
         self._rng = random.Random(config.seed)
         self._compiled = config.compile
         self._warmed_up = False
@@ -131,6 +132,10 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad_bias = [t for t, _ in sampling.logit_bias if not 0 <= t < vocab]
+        if bad_bias:  # vLLM's message
+            raise ValueError(f"token_id(s) {bad_bias} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                             f"{vocab}")
         total = len(prompt_ids) + sampling.max_new_tokens
         if total > self.config.max_seq_len:
             raise ValueError(
@@ -250,7 +255,12 @@ class Engine:
                                      lambda: self._hidden_states(inputs))
             logits = self.model.logits(h, inputs.logits_idx)
         t2 = time.perf_counter()
-        result = sample(logits, sampled) if sampled else None
+        n = len(sampled)  # logits rows: the sampled ones, then those of prompt log-probabilities
+        prompt = PromptLogprobs(logits[n:], inputs.prompt_targets, inputs.prompt_rows) if inputs.prompt_rows else None
+        raw = logits[:n].clone() if return_logits else None  # (the sampler changes its rows in place)
+        result = sample(logits[:n], sampled) if sampled else None
+        if prompt is not None:
+            prompt.record()
         for p in (*single, *chunks):
             p.seq.num_computed_tokens += p.length
             if id(p.seq) in self._admitted:  # (warm-up's throwaway sequences write only the null block)
@@ -279,7 +289,7 @@ class Engine:
         ok = [i for i, t in enumerate(token_ids) if t != NON_FINITE]
         return StepOutput(
             seq_ids=[sampled[i].seq_id for i in ok], token_ids=[token_ids[i] for i in ok],
-            logits=logits if return_logits else None,
+            logits=raw,
             num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=inputs.num_adapters, kind=kind,
             failed_adapters=failed, preempted=[q.seq_id for q in preempted],
             merged=merged, cuda_graph=graph is not None,
@@ -334,6 +344,16 @@ class Engine:
         on_token: Callable[[int, int], None] | None = None,
     ) -> list[list[int]]:
         """Generate for every prompt with continuous batching; returns each prompt's new token ids."""
+        return [s.output_ids for s in self.generate_sequences(prompts, sampling, adapters, on_token)]
+
+    def generate_sequences(
+        self,
+        prompts: list[list[int]] | list[str],
+        sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
+        adapters: list[str | None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[Sequence]:
+        """generate(), returning each prompt's finished Sequence (log-probabilities, prompt log-probabilities)."""
         n = len(prompts)
         params = sampling if isinstance(sampling, list) else [sampling] * n
         names = adapters or [None] * n
@@ -362,7 +382,7 @@ class Engine:
         finally:
             for seq in running:
                 self.release(seq)
-        return [s.output_ids for s in seqs]
+        return seqs
 
     def release_finished(self, running: list[Sequence]) -> None:
         """Release the finished sequences of `running` and drop them from it (a caller's own generate loop)."""

@@ -21,6 +21,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (-100..100) to a token's logit; repeatable")
+    p.add_argument("--prompt-logprobs", type=int, metavar="K",
+                   help="after the text, print each prompt token's log-probability and the top K (stderr)")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -45,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         engine.adapters.register(name, path)
     print(f"[loaded {model} in {time.perf_counter() - t0:.1f}s; compiling...]", file=sys.stderr, flush=True)
     print(f"[ready after {engine.warmup():.1f}s warm-up]", file=sys.stderr, flush=True)
+    bias = sorted((int(t), float(b)) for t, b in (item.split("=", 1) for item in args.logit_bias))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              max_new_tokens=args.max_new_tokens)
+                              max_new_tokens=args.max_new_tokens, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, logit_bias=tuple(bias),
+                              prompt_logprobs=args.prompt_logprobs)
     tokens: list[int] = []
     printed = ""
 
@@ -58,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
             print(text[len(printed):], end="", flush=True)
             printed = text
 
-    engine.generate([args.prompt], sampling, adapters=[args.use], on_token=on_token)
+    seq = engine.generate_sequences([args.prompt], sampling, adapters=[args.use], on_token=on_token)[0]
     print()
+    for token, logprob, top in zip(seq.prompt_ids[1:], seq.prompt_logprobs, seq.prompt_top_logprobs):
+        alternatives = ", ".join(f"{engine.tokenizer.decode([t])!r} {lp:.3f}" for t, lp in top)
+        print(f"{engine.tokenizer.decode([token])!r} {logprob:.3f}  [{alternatives}]", file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logits_processors import SequenceSamplerState
 from .sampling import SamplingParams
 
 
@@ -17,6 +18,11 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With sampling.prompt_logprobs: entry i is prompt token i + 1's log-probability given the tokens before it
+    # (the first token has none), and the top sampling.prompt_logprobs alternatives there, filled as the prompt is
+    # prefilled (prompt_logprobs_pending counts what is left).
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None  # "length", "eos", "stop", or "error" (then `error` says why)
     error: str | None = None
     # Owned by the engine while the sequence is admitted (kv_cache.KVCacheManager).
@@ -31,6 +37,7 @@ class Sequence:
     adapter_loaded: bool = False  # try_admit copied the adapter into a device slot (it was not resident)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
+    sampler_state: SequenceSamplerState | None = None  # logit_bias and penalties (logits_processors)
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +50,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_logprobs_pending(self) -> int:
+        """Prompt positions whose log-probabilities are still to compute (0 when not asked for)."""
+        if self.sampling.prompt_logprobs is None:
+            return 0
+        return max(0, len(self.prompt_ids) - 1 - len(self.prompt_logprobs))
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output."""

@@ -19,14 +19,16 @@ def adapter_header_value(adapter: str | None) -> str | None:
     return value if all(" " <= c <= "~" for c in value) else None
 
 
-def adapter_header_problem(header: str | None, adapter: str | None, base_model: str, field: str) -> str | None:
+def adapter_header_problem(header: str | None, adapter: str | None, base_models: tuple[str, ...],
+                           field: str) -> str | None:
     """Why `header` (None: not sent) disagrees with the request's adapter (`field`: its name in the request,
-    None or "": the base model), or None when it agrees. A disagreement means a misrouted or mislabelled request:
-    the proxy picked the replica from the header, the server would serve the body's adapter."""
+    None or "": the base model), or None when it agrees. `base_models`: the names the base model is served under.
+    A disagreement means a misrouted or mislabelled request: the proxy picked the replica from the header, the
+    server would serve the body's adapter."""
     if header is None:
         return None
-    wanted = None if header in ("", base_model) else header
+    wanted = None if header == "" or header in base_models else header
     if wanted == (adapter or None):
         return None
     return (f"the {ADAPTER_ID_HEADER} header says {header!r} but {field} is {adapter or ''!r}; send the same "
-            f"adapter in both (an empty header or {base_model!r} means the base model)")
+            f"adapter in both (an empty header or {base_models[0]!r} means the base model)")

@@ -16,13 +16,6 @@ log = logging.getLogger("lora-serve")
 
 
 # --- lora-serve -------------------------------------------------------------------------------------
-def _adapter_arg(value: str) -> tuple[str, str]:
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
-    return name, path
-
-
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
@@ -58,8 +51,10 @@ def _fraction(value: str) -> float:
 def serve_parser() -> argparse.ArgumentParser:
     from lora_compile import EngineConfig
     from lora_compile.config import MERGE_MODES
-    from service.grpc_api.server import DEFAULT_HTTP_PORT, ServerConfig
+    from service.cli_vllm import add_log_flags, lora_module, token_count
     from service.limits import RequestLimits
+    from service.server import DEFAULT_HTTP_PORT, ServerConfig
+    from service.telemetry.prometheus_names import METRICS_PREFIXES
 
     engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)
                        if f.default is not dataclasses.MISSING}
@@ -69,8 +64,16 @@ def serve_parser() -> argparse.ArgumentParser:
         description="Serve one base model and many LoRA adapters over gRPC and OpenAI-compatible HTTP. "
                     "With no --model, serves the embedded demo model and its demo adapters.")
     p.add_argument("--model", help="Hugging Face model directory (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--adapter", action="append", default=[], type=_adapter_arg, metavar="NAME=DIR",
-                   help="register a PEFT adapter at start (repeatable)")
+    p.add_argument("--adapter", "--lora-modules", dest="adapter", action="extend", nargs="+", default=[],
+                   type=lora_module, metavar="NAME=DIR",
+                   help='register PEFT adapters at start: NAME=DIR, or vLLM\'s JSON form {"name": NAME, "path": '
+                        'DIR, "base_model_name": MODEL} (repeatable; --lora-modules: vLLM\'s name)')
+    p.add_argument("--served-model-name", nargs="+", default=list(server_defaults.served_model_names),
+                   metavar="NAME",
+                   help="the names the base model answers to as a request's model; the first is the one reported "
+                        "(/v1/models, responses, metrics) (default: the model directory's name)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM's command lines: LoRA is always on")
     p.add_argument("--host", default=server_defaults.host,
                    help="address to bind (default: %(default)s; 0.0.0.0 for remote clients)")
     p.add_argument("--port", type=int, default=server_defaults.port, help="default: %(default)s; 0: any free port")
@@ -80,13 +83,16 @@ def serve_parser() -> argparse.ArgumentParser:
                    default=engine_defaults["max_num_seqs"],
                    help="requests running at once, whatever their lengths; the KV cache bounds their tokens "
                         "(--max-batch-size: its old name) (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=engine_defaults["max_seq_len"],
-                   help="prompt + new tokens per request (default: %(default)s)")
+    p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=token_count,
+                   default=engine_defaults["max_seq_len"],
+                   help="prompt + new tokens per request: 4096, 4k (4000), 4K (4096) (--max-model-len: vLLM's "
+                        "name) (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=engine_defaults["max_num_batched_tokens"],
                    help="tokens per engine step, prefill chunks included (default: %(default)s)")
-    p.add_argument("--max-loras-per-batch", type=int, default=engine_defaults["max_loras_per_batch"],
+    p.add_argument("--max-loras-per-batch", "--max-loras", dest="max_loras_per_batch", type=int,
+                   default=engine_defaults["max_loras_per_batch"],
                    help="adapters resident on the device at once: the distinct adapters a batch may hold "
-                        "(default: %(default)s)")
+                        "(--max-loras: vLLM's name) (default: %(default)s)")
     p.add_argument("--max-lora-rank", type=int, default=engine_defaults["max_lora_rank"],
                    help="default: %(default)s")
     p.add_argument("--max-cpu-lora-bytes", type=int, default=engine_defaults["max_cpu_lora_bytes"],
@@ -135,6 +141,11 @@ def serve_parser() -> argparse.ArgumentParser:
     _add_limit_flags(p)
     _add_connection_flags(p)
     _add_security_flags(p)
+    add_log_flags(p)
+    p.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default=server_defaults.metrics_prefix,
+                   help="/metrics names of the metrics vLLM also exports: lora_serve, or vllm (vLLM's names and "
+                        "label values: its Grafana dashboard and the endpoint picker's defaults read them "
+                        "unchanged); metrics of our own stay lora_serve: (default: %(default)s)")
     p.add_argument("--tracing", action="store_true",
                    help="export OpenTelemetry spans and metrics over OTLP, configured by the OTEL_* environment "
                         "(or env LORA_SERVE_TRACING=1); see docs/tracing.md")
@@ -254,9 +265,10 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
 def _server_config(args: argparse.Namespace):
     """ServerConfig from the flags (ValueError for a bad combination)."""
     from service.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV
-    from service.grpc_api.security import SecurityConfig, TlsConfig
-    from service.grpc_api.server import ServerConfig
+    from service.cli_vllm import log_config
     from service.limits import RequestLimits
+    from service.security import SecurityConfig, TlsConfig
+    from service.server import ServerConfig
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
@@ -278,7 +290,26 @@ def _server_config(args: argparse.Namespace):
     replica = {"replica_id": args.replica_id} if args.replica_id else {}  # else ServerConfig's default
     return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
                         limits=limits, security=security, http_port=args.http_port or None,
-                        connections=_connection_limits(args), **replica)
+                        connections=_connection_limits(args), metrics_prefix=args.metrics_prefix,
+                        served_model_names=tuple(args.served_model_name), logs=log_config(args), **replica)
+
+
+def _engine_config(args: argparse.Namespace, model: str):
+    """EngineConfig from the flags (ValueError for a bad value)."""
+    from lora_compile import EngineConfig
+
+    return EngineConfig(
+        model=model, max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
+        max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
+        precompile=not args.no_precompile, cuda_graphs=not args.no_cuda_graphs,
+        prepack_weights=not args.no_prepack_weights, adapter_roots=tuple(args.adapter_root),
+        max_cpu_lora_bytes=args.max_cpu_lora_bytes, adapter_dirs=tuple(args.adapter_dir),
+        adapter_loader_threads=args.adapter_loader_threads,
+        merge_lone_adapter=args.merge_lone_adapter, merge_after_steps=args.merge_after_steps,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching, kv_growth=args.kv_growth,
+    )
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -296,13 +327,13 @@ def serve_main(argv: list[str] | None = None) -> int:
     logging.getLogger("lora-serve").setLevel(args.log_level)
 
     import service.runner.engine_thread as engine_thread
-    from lora_compile import Engine, EngineConfig
-    from service.grpc_api.server import serve
+    from lora_compile import Engine
+    from service.cli_vllm import check_base_models
+    from service.server import serve
     from service.telemetry.setup import describe_export, setup_telemetry, tracing_requested
 
-    adapters = dict(args.adapter)
+    adapters = {m.name: m.path for m in args.adapter}
     model = args.model
-    roots = tuple(args.adapter_root)
     if model is None:
         from lora_serve_demo import write_demo_adapters, write_demo_checkpoint
 
@@ -312,18 +343,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         demo_adapters = engine_thread.call(write_demo_adapters)
         adapters = {name: str(path) for name, path in demo_adapters.items()} | adapters
     try:
-        engine_config = EngineConfig(
-            model=model, max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
-            max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
-            precompile=not args.no_precompile, cuda_graphs=not args.no_cuda_graphs,
-            prepack_weights=not args.no_prepack_weights, adapter_roots=roots,
-            max_cpu_lora_bytes=args.max_cpu_lora_bytes, adapter_dirs=tuple(args.adapter_dir),
-            adapter_loader_threads=args.adapter_loader_threads,
-            merge_lone_adapter=args.merge_lone_adapter, merge_after_steps=args.merge_after_steps,
-            kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-            block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching, kv_growth=args.kv_growth,
-        )
+        engine_config = _engine_config(args, model)
         server_config = _server_config(args)
         t0 = time.perf_counter()
         log.info("loading model from %s", model)
@@ -332,6 +352,10 @@ def serve_main(argv: list[str] | None = None) -> int:
                  engine.model_config.architecture, time.perf_counter() - t0, engine.device,
                  str(engine.dtype).removeprefix("torch."), "oneDNN-packed" if engine.weights_packed else "plain",
                  "" if engine_config.compile else " (eager: --no-compile)")
+        base_names = server_config.served_model_names or (engine.model_name,)
+        check_base_models(args.adapter, base_names)
+        if taken := sorted(set(base_names) & set(adapters)):
+            raise ValueError(f"adapter name(s) {', '.join(map(repr, taken))} are the base model's served name")
         for name, path in adapters.items():
             # The operator's own adapters (and the demo's) may lie outside the roots, which confine LoadAdapter.
             info = engine_thread.call(functools.partial(engine.adapters.register, confined=False), name, path)

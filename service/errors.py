@@ -68,9 +68,11 @@ class NotFound(ServiceError):
 class QueueFull(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, waiting: int, retry_after_s: float):
+    def __init__(self, waiting: int, retry_after_s: float, needed: int = 1, left: int = 0):
+        """`needed`: the sequences of the request (its choices), of which only `left` fit now."""
         self.retry_after_s = retry_after_s
-        super().__init__(f"the waiting queue is full ({waiting} requests); retry in {retry_after_s:g}s")
+        more = f"; the {needed} choices of this request need {needed} places, {left} are left" if needed > 1 else ""
+        super().__init__(f"the waiting queue is full ({waiting} requests{more}); retry in {retry_after_s:g}s")
 
     def details(self) -> list:
         return [_retry_info(self.retry_after_s)]

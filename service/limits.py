@@ -9,6 +9,14 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # a 1 MiB request holds far more prompt than any context here
 
+# Fixed bounds on a Generate call's fields (both doors; service/prepare.py checks them).
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_CHARS = 256  # per stop string: longer ones would hold back that much text
+MAX_NAME_CHARS = 256  # request_id (echoed in every response) and adapter (echoed in NOT_FOUND)
+MAX_REPORTED_BAD_IDS = 8  # per repeated field: enough to fix the request, small enough for a status
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class RequestLimits:

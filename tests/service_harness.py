@@ -15,7 +15,7 @@ from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_serve_demo import write_demo_adapters, write_demo_checkpoint
 from service._proto import pb
 from service.client import LoraServeClient
-from service.grpc_api.server import LoraServer, ServerConfig
+from service.server import LoraServer, ServerConfig
 
 T = TypeVar("T")
 # float32: tokens are compared with float32 references ("auto" is bfloat16 on CPUs with native bf16).

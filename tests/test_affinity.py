@@ -16,7 +16,7 @@ from service.affinity import (
     REPLICA_ID_HEADER,
     adapter_header_problem,
 )
-from service.grpc_api.server import ServerConfig, default_replica_id
+from service.server import ServerConfig, default_replica_id
 from tests.service_harness import ServerThread, make_request, shared_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,9 +99,10 @@ def test_cli_prints_the_replica(served):
 
 
 def test_header_problem_rules():
-    assert adapter_header_problem(None, "a", "m", "model") is None
-    assert adapter_header_problem("m", None, "m", "model") is None
-    problem = adapter_header_problem("a", "b", "m", "model")
+    assert adapter_header_problem(None, "a", ("m",), "model") is None
+    assert adapter_header_problem("m", None, ("m",), "model") is None
+    assert adapter_header_problem("alias", None, ("m", "alias"), "model") is None
+    problem = adapter_header_problem("a", "b", ("m",), "model")
     assert "'a'" in problem and "model is 'b'" in problem
 
 

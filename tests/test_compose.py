@@ -220,7 +220,7 @@ def _replicas(compose: dict) -> dict[str, dict]:
 def test_scale_profile_runs_named_replicas_of_one_model(compose):
     from lora_serve_demo import ADAPTERS_DIRNAME, DEMO_ADAPTERS, MODEL_DIRNAME
     from service.cli import _server_config, serve_parser
-    from service.grpc_api.server import ServerConfig
+    from service.server import ServerConfig
 
     replicas = _replicas(compose)
     assert len(replicas) >= 2
@@ -236,7 +236,8 @@ def test_scale_profile_runs_named_replicas_of_one_model(compose):
         # One read-only model and adapter volume, written once by model-init; one shared Inductor cache volume.
         assert "lora-serve-models:/models:ro" in service["volumes"] and "lora-serve-cache:/cache" in service["volumes"]
         assert args.model == f"/models/{MODEL_DIRNAME}"
-        assert dict(args.adapter) == {a.name: f"/models/{ADAPTERS_DIRNAME}/{a.name}" for a in DEMO_ADAPTERS}
+        served = {m.name: m.path for m in args.adapter}
+        assert served == {a.name: f"/models/{ADAPTERS_DIRNAME}/{a.name}" for a in DEMO_ADAPTERS}
         assert service["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
         # Traces from every replica into the same Jaeger; the replica id is their service.instance.id.
         assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client import LoraServeClient
 from service.connections import ConnectionLimits
-from service.grpc_api.server import ServerConfig
+from service.server import ServerConfig
 from tests.service_harness import ServerThread, shared_engine, wait_for
 from tests.test_service_process import ServeProcess, _free_port
 

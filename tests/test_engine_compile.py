@@ -16,6 +16,12 @@ from tests.conftest import ADAPTER_SPECS, ENGINE_LIMITS, INDUCTOR_CACHE, build_e
 pytestmark = pytest.mark.slow
 
 
+# Sampling options taken in turn by arrival (not drawn: the workload's random stream stays as it was): prompt
+# log-probabilities add logits rows, the others sampler work; neither may change the compiled graph.
+OPTIONS = ({}, dict(prompt_logprobs=2), dict(temperature=0.8, seed=1, min_p=0.1, top_k=20),
+           dict(logit_bias=((5, 2.0),), presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2))
+
+
 def random_workload(engine: Engine, rng: random.Random, steps: int, names: list[str | None], max_prompt: int = 100,
                     max_new: int = 12) -> set[int]:
     """`steps` steps of random arrivals, prompt lengths, budgets and adapters (any recompile raises inside step(): the
@@ -25,8 +31,8 @@ def random_workload(engine: Engine, rng: random.Random, steps: int, names: list[
     while done < steps:
         while len(running) < engine.config.max_batch_size and rng.random() < 0.5:
             prompt = [rng.randrange(1, 300) for _ in range(rng.choice([1, 2, 3, rng.randrange(4, max_prompt)]))]
-            seq = Sequence(next_id, prompt, SamplingParams(max_new_tokens=rng.randrange(1, max_new), ignore_eos=True),
-                           rng.choice(names))
+            seq = Sequence(next_id, prompt, SamplingParams(max_new_tokens=rng.randrange(1, max_new), ignore_eos=True,
+                                                        **OPTIONS[next_id % len(OPTIONS)]), rng.choice(names))
             next_id += 1
             if not engine.try_admit(seq):
                 break
@@ -43,8 +49,8 @@ def random_workload(engine: Engine, rng: random.Random, steps: int, names: list[
 
 
 def test_random_workload_never_recompiles(compiled_engines):
-    """Batch sizes 1..max, prompt lengths 1..100, prefill/decode mixes and any adapter mix, with adapters
-    evicted and reloaded (4 adapters, 3 slots): any recompile raises inside step()."""
+    """Batch sizes 1..max, prompt lengths 1..100, prefill/decode mixes, any adapter mix and every sampling option
+    (OPTIONS), with adapters evicted and reloaded (4 adapters, 3 slots): any recompile raises inside step()."""
     engine = compiled_engines("llama")
     names = [None, *ADAPTER_SPECS]
     max_batch = engine.config.max_batch_size

@@ -13,8 +13,8 @@ import pytest
 from service._proto import pb, pb_grpc
 from service.client import from_rpc_error
 from service.errors import MAX_REPORTED_VIOLATIONS
-from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
+from service.server import ServerConfig
 from tests.service_harness import ServerThread, demo_paths, shared_engine, wait_for
 from tests.service_harness import make_request as _request
 from tests.wire import field_bytes, field_varint, raw_generate, raw_tokenize, varint
@@ -31,6 +31,12 @@ OK, INVALID, NOT_FOUND, EXHAUSTED, PRECONDITION = (
 
 def _ids(ids: list[int], **fields) -> pb.GenerateRequest:
     return _request(None, token_ids__ids=ids, **fields)
+
+
+def _biased(logit_bias: dict[int, float]) -> pb.GenerateRequest:
+    request = _request()
+    request.sampling.logit_bias.update(logit_bias)
+    return request
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,22 @@ GENERATE_CASES: dict[str, Case] = {
     "G41": Case(_VALID[:-1], INVALID, "does not parse as a loraserve.v1.GenerateRequest message"),
     "G44": Case(_request(sampling__repetition_penalty=1e-38), INVALID, "must be in [1e-05, 100000] (1 = off), got 1e-38",
                 ("sampling.repetition_penalty",)),
+    "G45": Case(_request(sampling__min_p=1.5), INVALID, "sampling.min_p: must be in [0, 1] (0 = off), got 1.5",
+                ("sampling.min_p",)),
+    "G46": Case(_request(sampling__presence_penalty=3.0, sampling__frequency_penalty=-2.5), INVALID,
+                "sampling.presence_penalty: must be in [-2, 2] (0 = off), got 3; sampling.frequency_penalty: must be "
+                "in [-2, 2] (0 = off), got -2.5", ("sampling.presence_penalty", "sampling.frequency_penalty")),
+    "G47": Case(_biased({5: 1.0, 600: 5.0}), INVALID, "sampling.logit_bias: token id 600 is outside the vocabulary "
+                "[0, 512)", ("sampling.logit_bias",), max_violations=1),
+    "G48": Case(_biased({5: 150.0, 6: NAN}), INVALID, "sampling.logit_bias: the bias of token 5 must be in "
+                "[-100, 100], got 150; sampling.logit_bias: the bias of token 6 must be in [-100, 100], got nan",
+                ("sampling.logit_bias",)),
+    "G49": Case(_biased(dict.fromkeys(range(301), 1.0)), INVALID, "sampling.logit_bias: at most 300 entries, got 301",
+                ("sampling.logit_bias",), max_violations=1),
+    "G50": Case(_request(sampling__n=9), INVALID, "sampling.n: must be in [1, 8] (the choices run together: at most "
+                "--max-num-seqs), got 9", ("sampling.n",)),
+    "G51": Case(_request(response__prompt_logprobs=21), INVALID, "response.prompt_logprobs: must be in [0, 20], got 21",
+                ("response.prompt_logprobs",)),
 }
 
 # Entries checked by other tests (test file :: test name).

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from service._proto import pb
-from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
+from service.server import ServerConfig
 from tests.client_loop import ClientLoop
 from tests.service_harness import ServerThread, shared_engine, wait_for
 from tests.wire import GENERATE, TOKENIZE, field_bytes
@@ -83,6 +83,9 @@ def _set(req: pb.GenerateRequest, path: str, value) -> None:
     if isinstance(value, list):
         del getattr(msg, leaf)[:]
         getattr(msg, leaf).extend(value)
+    elif isinstance(value, dict):  # a map field
+        getattr(msg, leaf).clear()
+        getattr(msg, leaf).update(value)
     else:
         setattr(msg, leaf, value)
 
@@ -90,6 +93,10 @@ def _set(req: pb.GenerateRequest, path: str, value) -> None:
 # Field → values that are often wrong (and sometimes right): the perturbations of a valid request.
 PERTURBATIONS = {
     "sampling.temperature": f32, "sampling.top_p": f32, "sampling.repetition_penalty": f32,
+    "sampling.min_p": f32, "sampling.presence_penalty": f32, "sampling.frequency_penalty": f32,
+    "sampling.logit_bias": st.dictionaries(st.integers(0, 2**32 - 1), f32, max_size=5)
+    | st.integers(0, 400).map(lambda n: dict.fromkeys(range(n), 1.0)),
+    "response.prompt_logprobs": st.integers(0, 2**32 - 1) | st.integers(0, 25),
     "sampling.top_k": st.integers(-2**31, 2**31 - 1), "sampling.seed": st.integers(0, 2**64 - 1),
     "stopping.max_new_tokens": st.integers(0, 2**32 - 1) | st.integers(0, 8),
     "stopping.stop": st.lists(st.text(max_size=300), max_size=20) | st.integers(0, 5000).map(lambda n: ["x"] * n),

@@ -23,7 +23,7 @@ from lora_compile.adapters import MAX_HEADER_BYTES
 from lora_compile.config import ModelConfig
 from lora_compile.model import LORA_TARGETS
 from service.client import FailedPreconditionError, InvalidArgumentError
-from service.grpc_api.server import ServerConfig
+from service.server import ServerConfig
 from tests.http_wire import post
 from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, wait_for
 from tests.test_isolation import CONFIG, WEIGHTS, edited_adapter, overflowing_adapter

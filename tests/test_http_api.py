@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from service._proto import pb, pb_grpc
-from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
 from service.runner.observer_group import ObserverGroup
+from service.server import ServerConfig
 from tests.checkpoints import write_chat_template
 from tests.http_wire import metric_value, metrics, post
 from tests.service_harness import (
@@ -94,7 +94,7 @@ def test_greedy_completion_equals_the_grpc_stream(served, client, adapter):
     choice = http.choices[0]
     assert choice.model_extra["token_ids"] == grpc_ids
     assert choice.text == "".join(m.text for m in grpc_out)
-    assert choice.logprobs.tokens == served.server.runner.token_strings(grpc_ids)  # the same tokens, one by one
+    assert len(choice.logprobs.tokens) == len(grpc_ids)  # the same tokens, one by one (their texts: test_http_choices)
     assert choice.logprobs.token_logprobs == pytest.approx([lp for m in grpc_out for lp in m.logprobs])
     assert choice.finish_reason == "length"
     assert (http.usage.prompt_tokens, http.usage.completion_tokens) == (len(ids), 12)
@@ -142,21 +142,40 @@ def test_chat_uses_the_models_template_as_transformers_renders_it(chat_served):
 
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story"}]
     model_dir = chat_served.engine.config.model
-    rendered = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     expected = chat_served.reference(ids, "pirate", 8, ignore_eos=True)
     with _openai(chat_served) as c:
         reply = c.chat.completions.create(model="pirate", messages=messages, max_tokens=8, temperature=0,
                                           logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
         assert reply.usage.prompt_tokens == len(ids)
-        assert [t.token for t in reply.choices[0].logprobs.content] == chat_served.server.runner.token_strings(expected)
-        assert all(len(t.top_logprobs) == 2 for t in reply.choices[0].logprobs.content)
+        content = reply.choices[0].logprobs.content
+        # Each token as transformers decodes it alone (" mate", not the piece "Ġmate"); part of a character is
+        # OpenAI's "bytes:\x..", and the bytes of every token, concatenated, are the reply's text.
+        for entry, token_id in zip(content, expected, strict=True):
+            text = tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+            assert entry.token == text if "\ufffd" not in text else entry.token.startswith("bytes:")
+        text_bytes = bytes(b for t in content for b in t.bytes or [])  # (a special token has none)
+        assert text_bytes.decode("utf-8", "replace") == reply.choices[0].message.content
+        assert all(len(t.top_logprobs) == 2 for t in content)
         assert reply.choices[0].message.role == "assistant"
         stream = list(c.chat.completions.create(model="pirate", messages=messages, max_tokens=8, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}))
-        assert stream[0].choices[0].delta.role == "assistant"
         assert "".join(s.choices[0].delta.content or "" for s in stream) == reply.choices[0].message.content
+        # The role comes with the first token (vLLM's first chunk), so a client timing its first chunk times it.
+        one = c.chat.completions.create(model="pirate", messages=messages, max_tokens=1, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        (chunk,) = c.chat.completions.create(model="pirate", messages=messages, max_tokens=1, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        assert chunk.choices[0].delta.role == "assistant" and chunk.choices[0].finish_reason == "length"
+        assert chunk.choices[0].delta.content == one.choices[0].message.content
+        assert stream[0].choices[0].delta.role == "assistant"
+        firsts = {}  # n = 2: each choice's first chunk carries the role
+        for s in c.chat.completions.create(model="pirate", messages=messages, max_tokens=3, n=2, seed=1,
+                                           stream=True):
+            firsts.setdefault(s.choices[0].index, s.choices[0].delta)
+        assert sorted(firsts) == [0, 1] and all(d.role == "assistant" for d in firsts.values())
         with pytest.raises(openai.BadRequestError) as info:  # the template's own refusal
             c.chat.completions.create(model="pirate", messages=[{"role": "wizard", "content": "hi"}])
         assert "unknown role wizard" in info.value.message

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service.grpc_api.security import SecurityConfig, TlsConfig
-from service.grpc_api.server import ServerConfig
+from service.security import SecurityConfig, TlsConfig
 from service.http_api.errors import HTTP_STATUS
 from service.limits import RequestLimits
+from service.server import ServerConfig
 from tests.certs import CertificateAuthority
 from tests.http_wire import post
 from tests.service_harness import ServerThread, shared_engine, wait_for
@@ -53,7 +53,9 @@ HTTP_CASES = {
             (COMPLETIONS, {"prompt": "Hi", "top_k": 2**40}, {}, 400, "top_k", "top_k")],
     "H04": [(COMPLETIONS, {"prompt": "Hi", "model": "no-such-adapter"}, {}, 404,
              "adapter 'no-such-adapter' is not loaded", "model")],
-    "H05": [(COMPLETIONS, {"prompt": "Hi", "n": 2}, {}, 400, "only n = 1 is supported", "n")],
+    "H05": [(COMPLETIONS, {"prompt": "Hi", "n": 9}, {}, 400, "n: must be in [1, 8] (the choices run together: at most "
+             "--max-num-seqs), got 9", "n"),
+            (COMPLETIONS, {"prompt": "Hi", "n": 0}, {}, 400, "n: must be in [1, 8]", "n")],
     "H06": [(COMPLETIONS, {"prompt": "a" * (1 << 20)}, {}, 413, "this server accepts at most 1048576", None)],
     "H07": [(COMPLETIONS, {"prompt": "Hi", "model": "pirate"}, {"x-adapter-id": "poet"}, 400,
              "the x-adapter-id header names 'poet' but the model field names 'pirate'", "model")],
@@ -61,10 +63,15 @@ HTTP_CASES = {
     "H10": [("/v1/nowhere", {}, {}, 404, "Not Found", None),
             (COMPLETIONS + "/", {"prompt": "Hi"}, {}, 404, "Not Found", None),
             ("/health", {}, {}, 405, "Method Not Allowed: /health takes GET, HEAD, not POST", None)],
-    "H12": [(COMPLETIONS, {"prompt": ["a", "b"]}, {}, 400, "one prompt per request, got a batch of 2", "prompt")],
-    "H13": [(COMPLETIONS, {"prompt": "Hi", "echo": True}, {}, 400, "echo: not supported", "echo"),
-            (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 0.5}, {}, 400, "use repetition_penalty",
-             "presence_penalty")],
+    "H12": [(COMPLETIONS, {"prompt": ["a"] * 133, "n": 2}, {}, 400, "prompt: 133 prompts x n = 2 make 266 sequences; "
+             "this server holds at most 264 at once (--max-num-seqs + --max-queue)", "prompt"),
+            (COMPLETIONS, {"prompt": ["a", ""]}, {}, 400, "prompt[1]: the prompt is empty", "prompt[1]")],
+    "H13": [(COMPLETIONS, {"prompt": "Hi", "use_beam_search": True}, {}, 400, "use_beam_search: beam search is not "
+             "supported", "use_beam_search"),
+            (COMPLETIONS, {"prompt": "Hi", "min_tokens": 3, "skip_special_tokens": False}, {}, 400,
+             "min_tokens: not supported; skip_special_tokens: not supported", "min_tokens"),
+            (COMPLETIONS, {"prompt": "Hi", "best_of": 2}, {}, 400, "best_of: only best_of = 1 is supported",
+             "best_of")],
     "H14": [(COMPLETIONS, {"max_tokens": 2}, {}, 400, "prompt: Field required", "prompt")],
     "H17": [(COMPLETIONS, {"prompt": "Hi"}, {"content-type": "text/plain"}, 415, "the request body must be JSON: send "
              "the header 'Content-Type: application/json' (got Content-Type 'text/plain')", None)],
@@ -72,6 +79,15 @@ HTTP_CASES = {
              "'evil.example': it answers only to localhost, 127.0.0.1, [::1] (it listens on 127.0.0.1 and has no "
              "--api-token: a guard against DNS rebinding); call it by one of those names, or start it with "
              "--allowed-hosts evil.example (or --api-token)", None)],
+    "H22": [(COMPLETIONS, {"prompt": "Hi", "guided_json": {"type": "object"}}, {}, 400, "guided_json: removed from "
+             "vLLM's API (its replacement is structured_outputs, which lora-serve does not support either)",
+             "guided_json"),
+            (COMPLETIONS, {"prompt": "Hi", "guided_choice": ["a", "b"]}, {}, 400, "guided_choice: removed",
+             "guided_choice")],
+    "H23": [(COMPLETIONS, {"prompt": "Hi", "logit_bias": {"abc": 1, "-1": 2}}, {}, 400, "logit_bias: keys must be "
+             "token ids (non-negative integers, as strings); got 'abc', '-1'", "logit_bias")],
+    "H24": [(COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, {}, 400,
+             "prompt_logprobs: not available when stream is true", "prompt_logprobs")],
 }
 # Elsewhere: H09 (test_http_api.py::test_chat_uses_the_models_template_as_transformers_renders_it and
 # test_http_hardening.py::test_chat_template_errors_are_in_our_words), H11 and H15 below, H16
@@ -100,6 +116,14 @@ SHARED_CASES = [
     ("G42", {"prompt": "Z" * 2000}, "prompt: the text has 2000 characters", "prompt"),
     ("G44", {"prompt": "Hi", "repetition_penalty": 1e-38}, "repetition_penalty: must be in [1e-05, 100000] (1 = off), "
      "got 1e-38", "repetition_penalty"),
+    ("G45", {"prompt": "Hi", "min_p": 1.5}, "min_p: must be in [0, 1] (0 = off), got 1.5", "min_p"),
+    ("G46", {"prompt": "Hi", "frequency_penalty": -2.5}, "frequency_penalty: must be in [-2, 2] (0 = off), got -2.5",
+     "frequency_penalty"),
+    ("G47", {"prompt": "Hi", "logit_bias": {"600": 5}}, "logit_bias: token id 600 is outside the vocabulary [0, 512)",
+     "logit_bias"),
+    ("G48", {"prompt": "Hi", "logit_bias": {"5": -101}}, "logit_bias: the bias of token 5 must be in [-100, 100], "
+     "got -101", "logit_bias"),
+    ("G51", {"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs: must be in [0, 20], got 21", "prompt_logprobs"),
 ]
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from service.cli import _server_config, serve_parser
 from service.client import InvalidArgumentError
-from service.grpc_api.security import SecurityConfig
-from service.grpc_api.server import ServerConfig
+from service.security import SecurityConfig
+from service.server import ServerConfig
 from tests.checkpoints import write_chat_template
 from tests.http_wire import metric_value, metrics, post
 from tests.service_harness import ServerThread, build_engine, demo_paths, shared_engine

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from service.grpc_api.server import ServerConfig
+from service.server import ServerConfig
 from service.tools.otlp_receiver import GrpcReceiver
 from tests.test_tracing import (
     BASE_ENV,

@@ -31,3 +31,28 @@ def test_importing_every_service_module_starts_no_thread():
     """The engine thread (service.runner.engine_thread) starts on first use, not when the service is imported."""
     modules, threads = _import_all("service")
     assert modules >= 20 and threads == "['MainThread']"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports too)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from service import http_api`
+    return names
+
+
+def test_neither_door_imports_the_other():
+    """The gRPC door (service/grpc_api/) and the HTTP door (service/http_api/) share what they both need through
+    modules above or beside them (service/server.py wires them; prepare, security, lifecycle...), never through
+    each other."""
+    doors = {"grpc_api": "service.http_api", "http_api": "service.grpc_api"}
+    crossings = [f"{path.relative_to(ROOT)} imports {name}"
+                 for door, other in doors.items() for path in sorted((ROOT / "service" / door).glob("*.py"))
+                 for name in sorted(_imported_modules(path)) if name == other or name.startswith(other + ".")]
+    assert crossings == []

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from lora_compile import SamplingParams, Sequence
 from service._proto import pb, pb_grpc
 from service.client import FailedPreconditionError
-from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
+from service.server import ServerConfig
 from tests.service_harness import BackgroundStream, ServerThread, demo_paths, shared_engine, wait_for
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -321,7 +321,7 @@ def test_huge_text_prompts_are_refused_before_tokenizing():
         for _seconds, message in refusals:
             assert message.startswith("INVALID_ARGUMENT: ") and ("the text has 999000 characters; a prompt of at "
                                                                   "most 255 tokens holds at most") in message
-        # The freed buffers go back to the OS shortly after the burst (service/grpc_api/heap.py).
+        # The freed buffers go back to the OS shortly after the burst (service/heap.py).
         wait_for(lambda: rss() <= 1.10 * baseline, timeout=30, what="the server's memory to return")
         after = rss()
         print(f"\nrefusal round trip {min(s for s, _ in refusals) * 1e3:.0f}-{max(s for s, _ in refusals) * 1e3:.0f} "

@@ -170,7 +170,7 @@ def test_through_the_server_base_and_adapters_then_again_hit_and_equal_peft():
     round is served from the prefix cache (usage says so) and every answer equals transformers + PEFT."""
     from tests.http_wire import post
     from tests.service_harness import ServerThread, demo_paths, shared_engine
-    from service.grpc_api.server import ServerConfig
+    from service.server import ServerConfig
 
     model_dir, adapter_dirs = demo_paths()
     server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, grace_period_s=10.0))

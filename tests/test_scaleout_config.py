@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from service.grpc_api.server import ServerConfig
+from service.server import ServerConfig
 from service.tools.haproxy_check import check_request, serving_response, tcp_check_lines
 from tests.replicas import HAPROXY_CFG, HAProxy, free_port, render_haproxy_config
 from tests.service_harness import ServerThread, shared_engine

@@ -23,8 +23,8 @@ from service.client import (
 )
 from service.client.channel import ClientTLS
 from service.client.cli import main as client_main
-from service.grpc_api.security import SecurityConfig, TlsConfig
-from service.grpc_api.server import ServerConfig
+from service.security import SecurityConfig, TlsConfig
+from service.server import ServerConfig
 from tests.certs import CertificateAuthority
 from tests.service_harness import ServerThread, build_engine, demo_paths, shared_engine
 

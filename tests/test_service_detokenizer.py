@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from lora_compile import SamplingParams, Sequence
 from lora_compile.tokenizer import Tokenizer
-from service.runner.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher
+from service.runner.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, token_texts
 from service.runner.output import OutputProcessor
 from tests.service_harness import demo_paths
 
@@ -122,3 +122,40 @@ def test_output_processor_finishes_on_stop_string_and_eos():
     seq.finish_reason = "eos"
     last = proc.process()
     assert (last.text, last.token_ids, last.finish_reason) == ("", [1], "eos")
+
+
+# --- each token's own text (logprobs) -------------------------------------------------------------------------
+def test_token_texts_concatenate_to_the_text_byte_level():
+    """Byte-level BPE (the demo tokenizer, as GPT-2, Llama 3, Qwen): each token's raw bytes, a character split
+    across tokens included, concatenate to the text; such a part is shown as OpenAI shows it."""
+    tok = demo_tokenizer()
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    texts = token_texts(tok, ids)
+    assert b"".join(t.data for t in texts) == MULTIBYTE.encode()
+    assert [t.text for t in texts if not t.text.startswith("bytes:")] == [
+        tok.decode([i]) for i, t in zip(ids, texts) if not t.text.startswith("bytes:")]
+    parts = [t for t in texts if t.text.startswith("bytes:")]
+    assert parts and all(t.text == "bytes:" + "".join(f"\\x{b:02x}" for b in t.data) for t in parts)
+    (bos,) = token_texts(tok, tok.encode("")[:1])
+    assert bos.special and bos.text == tok.decode(tok.encode("")[:1], skip_special_tokens=False)
+
+
+def test_token_texts_of_a_sentencepiece_tokenizer(tmp_path):
+    """SentencePiece with byte fallback (Llama 2, Mistral): "▁" is a space in context, <0xNN> pieces are bytes."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "▁": 258, "a": 259, "▁a": 260,
+             "b": 261}
+    hf = HFTokenizer(models.BPE(vocab, [("▁", "a")], unk_token="<unk>", byte_fallback=True))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens([AddedToken("<s>", special=True)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    ids = tok.encode("a b é", add_special_tokens=False)
+    texts = token_texts(tok, ids)
+    assert [t.text for t in texts] == [" a", " ", "b", " ", "bytes:\\xc3", "bytes:\\xa9"]
+    # (decode strips the text's leading space; a token's own text keeps it, as it reads inside a text)
+    assert b"".join(t.data for t in texts).decode() == " " + tok.decode(ids)

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from service.cli import byte_size, serve_parser
-from service.grpc_api.server import ServerConfig
+from service.server import ServerConfig
 from tests.checkpoints import write_chat_template
 from tests.http_wire import metric_value, metrics, post
 from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, wait_for
@@ -84,7 +84,7 @@ def test_model_info_and_models_report_the_kv_cache(served):
 def test_the_picker_reads_metrics_we_serve(served):
     """Every name deploy/kubernetes tells the endpoint picker to read is on /metrics, and cache_config_info says
     what ModelInfo says (the prefix-cache scorer sizes its index from it)."""
-    told = re.findall(r"--[a-z-]+-metric=(\S+)", PICKER.read_text())
+    told = re.findall(r"(?m)^\s+[a-zA-Z]+Spec: (\S+)$", PICKER.read_text())  # the picker's engineConfigs
     assert "lora_serve:kv_cache_usage_perc" in told and "lora_serve:cache_config_info" in told
     samples = _metrics(served)
     for name in told:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import types
 
 import grpc
 import pytest
@@ -18,8 +19,8 @@ from service.client import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
+from service.server import ServerConfig
 from tests.service_harness import ServerThread, shared_engine, wait_for
 
 LONG = dict(max_new_tokens=240, ignore_eos=True)  # ~1 s of decoding: long enough to act mid-stream
@@ -171,6 +172,37 @@ def test_reflection_lists_the_services(served):
     channel.close()
 
 
+def test_reflection_answers_v1_as_well_as_v1alpha(served):
+    """grpcurl and newer tools ask grpc.reflection.v1 first: the same generic client, its requests sent to v1's
+    method (v1's messages are v1alpha's, renamed: the same bytes), lists and describes every service."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    channel = grpc.insecure_channel(served.target)
+    db = ProtoReflectionDescriptorDatabase(channel)
+
+    def ask(version: str):  # the stub a v1 client has, for the database to send its requests through
+        return channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+
+    db._stub = types.SimpleNamespace(ServerReflectionInfo=ask("v1"))
+    assert set(db.get_services()) == {"loraserve.v1.Generation", "loraserve.v1.Adapters", "grpc.health.v1.Health",
+                                      "grpc.reflection.v1.ServerReflection",
+                                      "grpc.reflection.v1alpha.ServerReflection"}
+    pool = descriptor_pool.DescriptorPool(db)
+    generate = pool.FindServiceByName("loraserve.v1.Generation").methods_by_name["Generate"]
+    assert generate.server_streaming and generate.output_type.full_name == "loraserve.v1.GenerateResponse"
+    info = pool.FindServiceByName("grpc.reflection.v1.ServerReflection").methods_by_name["ServerReflectionInfo"]
+    assert info.client_streaming and info.server_streaming
+    assert info.input_type.full_name == "grpc.reflection.v1.ServerReflectionRequest"
+    assert [f.name for f in info.output_type.fields] == [
+        f.name for f in reflection_pb2.ServerReflectionResponse.DESCRIPTOR.fields]
+    with pytest.raises(grpc.RpcError) as unknown:  # (what a server without v1 answers)
+        list(ask("v2")(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30))
+    assert unknown.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    channel.close()
+
+
 def test_server_warns_when_torch_runs_outside_the_engine_thread(caplog):
     """A second thread running torch slows every step (service/runner/engine_thread.py): the server says so."""
     from lora_compile import Engine, EngineConfig
@@ -182,6 +214,6 @@ def test_server_warns_when_torch_runs_outside_the_engine_thread(caplog):
         server.stop()
         return any("outside the engine thread" in r.getMessage() for r in caplog.records)
 
-    with caplog.at_level("WARNING", logger="service.grpc_api.server"):
+    with caplog.at_level("WARNING", logger="service.runner.scheduler"):
         assert not warned(shared_engine())
         assert warned(Engine(EngineConfig(model=str(demo_paths()[0]), **LIMITS)))

@@ -17,7 +17,7 @@ from benchmarks.common import write_lora_adapter
 from lora_compile.adapters import load_adapter
 from lora_compile.config import ModelConfig
 from service.client import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from service.grpc_api.server import ServerConfig
+from service.server import ServerConfig
 from tests.http_wire import metric_value, metrics
 from tests.service_harness import (
     BackgroundStream,

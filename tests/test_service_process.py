@@ -82,6 +82,16 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
         assert generated.returncode == 0 and "[finish: length; prompt" in generated.stderr
         bad = server.cli("generate", "x", "--temperature", "-1")
         assert bad.returncode == 1 and "sampling.temperature" in bad.stderr
+        # The sampling options: a +100 bias makes token 100 the first token, and it is a stop token.
+        stopped = server.cli("generate", "Once upon a time", "--max-new-tokens", "4", "--logit-bias", "100=100",
+                             "--stop-token-id", "100", "--presence-penalty", "0.5", "--frequency-penalty", "0.5",
+                             "--min-p", "0.1")
+        assert stopped.returncode == 0 and "[finish: stop (token 100); prompt" in stopped.stderr, stopped.stderr
+        choices = server.cli("generate", "Once upon a time", "-n", "2", "--max-new-tokens", "3", "--temperature", "1",
+                             "--seed", "1")
+        assert choices.returncode == 0 and "[choice 0]" in choices.stdout and "[choice 1]" in choices.stdout
+        bad = server.cli("generate", "x", "-n", "0", "--logit-bias", "600=1")
+        assert bad.returncode == 1 and "sampling.n" in bad.stderr and "sampling.logit_bias" in bad.stderr
 
         with LoraServeClient(server.target) as client:
             stream = client.generate("Once upon a time", max_new_tokens=240, ignore_eos=True)

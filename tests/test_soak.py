@@ -25,8 +25,8 @@ import grpc.aio
 import pytest
 
 from service._proto import pb, pb_grpc
-from service.grpc_api.server import ServerConfig
 from service.limits import RequestLimits
+from service.server import ServerConfig
 from tests.client_loop import ClientLoop
 from tests.service_harness import ServerThread, shared_engine, wait_for
 

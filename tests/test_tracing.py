@@ -22,7 +22,7 @@ import service.telemetry.observer as telemetry_observer
 import service.telemetry.setup as telemetry_setup
 import service.tools.trace_summary as trace_summary
 from service._proto import pb, pb_grpc
-from service.grpc_api.server import LoraServer, ServerConfig
+from service.server import LoraServer, ServerConfig
 from service.telemetry.observer import TelemetryObserver
 from service.telemetry.setup import Telemetry, setup_telemetry
 from service.tools.otlp_receiver import GrpcReceiver, HttpReceiver, OtlpSink, SpanRecord, spans_from_proto, to_otlp_json

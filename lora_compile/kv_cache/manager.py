@@ -62,7 +62,10 @@ class KVCacheManager:
         if root != seq.cache_root:  # first admission, or other weights since: hashes start again
             seq.cache_root, seq.block_hashes = root, []
         hits: list[int] = []
-        if self.enable_prefix_caching:
+        # A sequence still owed prompt log-probabilities computes every prompt position: it reads no cached block
+        # (vLLM's skip_reading_prefix_cache), though it still offers its own blocks to the cache.
+        reading = self.enable_prefix_caching and not seq.prompt_logprobs_pending
+        if reading:
             hits = self.pool.lookup(self._hashes(seq, (seq.num_tokens - 1) // self.block_size))
         need = _blocks_for(num_tokens, self.block_size) - len(hits)
         evictable_hits = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)  # free now, held once hit
@@ -73,7 +76,7 @@ class KVCacheManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
-            if self.enable_prefix_caching:
+            if reading:  # (as vLLM: a sequence that skips the lookup is no query)
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += seq.num_computed_tokens
         return True

@@ -34,10 +34,19 @@ def client_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
+    g.add_argument("--logit-bias", action="append", default=[], type=_logit_bias, metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (-100 .. 100) to a token's logit (repeatable)")
+    g.add_argument("-n", type=int, default=None, help="choices from the one prompt (printed one after the other)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", action="append", default=[], type=int, help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="print the prompt tokens' log-probabilities (and the top K) on stderr")
 
     a = sub.add_parser("adapters", help="list, load or unload adapters")
     asub = a.add_subparsers(dest="action", required=True)
@@ -53,6 +62,16 @@ def client_parser() -> argparse.ArgumentParser:
     t.add_argument("text")
     sub.add_parser("health", help="grpc.health.v1 status")
     return p
+
+
+def _logit_bias(value: str) -> tuple[int, float]:
+    token, sep, bias = value.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 42=-100), got {value!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,22 +107,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_client_command(client, args) -> int:
     if args.command == "generate":
-        last = None
-        for chunk in client.generate(
-            args.prompt, adapter=args.adapter, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, seed=args.seed, repetition_penalty=args.repetition_penalty,
-            stop=args.stop, ignore_eos=args.ignore_eos,
-        ):
+        params = dict(
+            adapter=args.adapter, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            logit_bias=dict(args.logit_bias), n=args.n, stop=args.stop, stop_token_ids=args.stop_token_id,
+            ignore_eos=args.ignore_eos, prompt_logprobs=args.prompt_logprobs,
+        )
+        if (args.n or 1) > 1:  # interleaved streams would be unreadable: each choice once it is whole
+            for choice in client.complete_choices(args.prompt, **params):
+                print(f"[choice {choice.index}]\n{choice.text}")
+                _print_finish(choice)
+            return 0
+        last, prompt_logprobs = None, []
+        for chunk in client.generate(args.prompt, **params):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+            prompt_logprobs += chunk.prompt_logprobs
             last = chunk
         sys.stdout.write("\n")
-        if last is not None and last.usage is not None:
-            stop = f" ({last.stop!r})" if last.stop is not None else ""
-            replica = f"; replica {last.replica_id}" if last.replica_id else ""
-            cached = f" ({last.usage.cached_tokens} cached)" if last.usage.cached_tokens else ""
-            print(f"[finish: {last.finish_reason}{stop}; prompt {last.usage.prompt_tokens} tokens{cached}, "
-                  f"completion {last.usage.completion_tokens} tokens{replica}]", file=sys.stderr)
+        if args.prompt_logprobs is not None:
+            print(f"[prompt logprobs: {' '.join(f'{p:.3f}' for p in prompt_logprobs)}]", file=sys.stderr)
+        if last is not None:
+            _print_finish(last)
     elif args.command == "adapters":
         if args.action == "list":
             for a in client.list_adapters():
@@ -123,3 +149,15 @@ def _run_client_command(client, args) -> int:
     elif args.command == "health":
         print(client.health())
     return 0
+
+
+def _print_finish(last) -> None:
+    """The finish line on stderr: why it ended, the token counts, the replica (a last chunk or a Completion)."""
+    if last.usage is None:
+        return
+    stop = f" ({last.stop!r})" if last.stop is not None else f" (token {last.stop_token_id})" \
+        if last.stop_token_id is not None else ""
+    replica = f"; replica {last.replica_id}" if last.replica_id else ""
+    cached = f" ({last.usage.cached_tokens} cached)" if last.usage.cached_tokens else ""
+    print(f"[finish: {last.finish_reason}{stop}; prompt {last.usage.prompt_tokens} tokens{cached}, "
+          f"completion {last.usage.completion_tokens} tokens{replica}]", file=sys.stderr)

@@ -9,7 +9,7 @@ Every RPC error is raised as a `LoraServeError` subclass (see errors.py beside t
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,6 +47,10 @@ class GenerateChunk:
     usage: Usage | None = None
     request_id: str = ""
     replica_id: str = ""  # the server replica that answered (its x-replica-id), "" if it sent none
+    index: int = 0        # which choice (0 .. n - 1) it belongs to
+    # With prompt_logprobs, in the first chunk: per prompt token after the first, its log-probability and the top k.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class Completion:
     stop_token_id: int | None = None
     request_id: str = ""
     replica_id: str = ""
+    index: int = 0
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -105,20 +112,26 @@ class ModelInfo:
 def build_generate_request(
     prompt: str | Sequence[int], *, adapter: str | None = None, max_new_tokens: int | None = None,
     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-    seed: int | None = None, repetition_penalty: float | None = None, stop: Sequence[str] = (),
+    min_p: float | None = None, seed: int | None = None, repetition_penalty: float | None = None,
+    presence_penalty: float | None = None, frequency_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None, n: int | None = None, stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
-    top_logprobs: int = 0, request_id: str = "",
+    top_logprobs: int = 0, prompt_logprobs: int | None = None, request_id: str = "",
 ) -> pb.GenerateRequest:
-    """None leaves a field unset (server default); text prompts are tokenized by the server."""
+    """None leaves a field unset (server default); text prompts are tokenized by the server. `logit_bias`: token
+    id -> bias added to its logit; `n`: choices from the one prompt (each chunk's `index` says which);
+    `prompt_logprobs`: the prompt's log-probabilities and top k (in the first chunk)."""
     req = pb.GenerateRequest(request_id=request_id, adapter=adapter or "")
     if isinstance(prompt, str):
         req.text = prompt
     else:
         req.token_ids.ids.extend(prompt)
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
-                        ("repetition_penalty", repetition_penalty)):
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                        ("seed", seed), ("repetition_penalty", repetition_penalty),
+                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty), ("n", n)):
         if value is not None:
             setattr(req.sampling, name, value)
+    req.sampling.logit_bias.update(logit_bias or {})
     if max_new_tokens is not None:
         req.stopping.max_new_tokens = max_new_tokens
     req.stopping.stop.extend(stop)
@@ -126,6 +139,8 @@ def build_generate_request(
     req.stopping.ignore_eos = ignore_eos
     req.response.logprobs = logprobs
     req.response.top_logprobs = top_logprobs
+    if prompt_logprobs is not None:
+        req.response.prompt_logprobs = prompt_logprobs
     return req
 
 
@@ -149,18 +164,36 @@ def chunk_from_proto(msg: pb.GenerateResponse, replica_id: str = "") -> Generate
         stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
         if finished else None,
-        request_id=msg.request_id, replica_id=replica_id,
+        request_id=msg.request_id, replica_id=replica_id, index=msg.index,
+        prompt_logprobs=list(msg.prompt_logprobs),
+        prompt_top_logprobs=[list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.prompt_top_logprobs],
     )
 
 
 def join_chunks(chunks: list[GenerateChunk]) -> Completion:
+    """The chunks of one choice, joined."""
     last = chunks[-1]
     return Completion(
         text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=last.finish_reason or "", usage=last.usage or Usage(0, 0),
         logprobs=[p for c in chunks for p in c.logprobs], stop=last.stop, stop_token_id=last.stop_token_id,
-        request_id=last.request_id, replica_id=last.replica_id,
+        request_id=last.request_id, replica_id=last.replica_id, index=last.index,
+        prompt_logprobs=[p for c in chunks for p in c.prompt_logprobs],
+        prompt_top_logprobs=[t for c in chunks for t in c.prompt_top_logprobs],
     )
+
+
+def join_choices(chunks: list[GenerateChunk]) -> list[Completion]:
+    """A stream of n choices (interleaved): one Completion per choice, by index."""
+    by_index: dict[int, list[GenerateChunk]] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).append(chunk)
+    return [join_chunks(by_index[i]) for i in sorted(by_index)]
+
+
+def _one_choice(params: dict) -> None:
+    if (params.get("n") or 1) > 1:
+        raise ValueError("n > 1 gives several completions: use complete_choices()")
 
 
 def _adapter_info(msg: pb.AdapterInfo) -> AdapterInfo:
@@ -214,7 +247,12 @@ class LoraServeClient:
             call.cancel()  # no-op when the stream is done
 
     def complete(self, prompt: str | Sequence[int], **params) -> Completion:
+        _one_choice(params)
         return join_chunks(list(self.generate(prompt, **params)))
+
+    def complete_choices(self, prompt: str | Sequence[int], **params) -> list[Completion]:
+        """With `n`: every choice, joined (index order)."""
+        return join_choices(list(self.generate(prompt, **params)))
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
@@ -288,7 +326,11 @@ class AsyncLoraServeClient:
             call.cancel()
 
     async def complete(self, prompt: str | Sequence[int], **params) -> Completion:
+        _one_choice(params)
         return join_chunks([c async for c in self.generate(prompt, **params)])
+
+    async def complete_choices(self, prompt: str | Sequence[int], **params) -> list[Completion]:
+        return join_choices([c async for c in self.generate(prompt, **params)])
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)

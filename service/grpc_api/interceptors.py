@@ -4,21 +4,14 @@ Handlers only raise; this is the single place where exceptions become gRPC statu
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 
 import grpc
 import grpc.aio
 
 from service.errors import MalformedRequest, ServiceError, Unavailable, to_rpc_status
-
-API_PREFIX = "/loraserve.v1."  # health and reflection stay reachable while warming up or draining
-
-
-class ServingState(enum.Enum):
-    WARMING_UP = "warming up"
-    SERVING = "serving"
-    DRAINING = "draining"
+from service.lifecycle import ServingState
+from service.security import API_PREFIX  # health and reflection stay reachable while warming up or draining
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -1,230 +1,78 @@
-"""The grpc.aio server: servicers, health, reflection, warm-up, and graceful drain."""
+"""The gRPC door: a grpc.aio server with its interceptors (tracing, auth, errors), the Generation and Adapters
+servicers, health, and server reflection (v1 and v1alpha, reflection.py). The process (both doors, warm-up,
+drain) is wired in service/server.py."""
 from __future__ import annotations
 
-import asyncio
-import gc
-import logging
-import os
-import signal
-import socket
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from lora_compile import Engine
 from service._proto import pb, pb_grpc
-from service.connections import ConnectionLimits, raise_open_files_limit
-from service.grpc_api.interceptors import ErrorInterceptor, ServingState
-from service.grpc_api.security import AuthInterceptor, SecurityConfig
+from service.connections import ConnectionLimits
+from service.grpc_api.interceptors import ErrorInterceptor
+from service.grpc_api.reflection import enable_reflection
+from service.grpc_api.security import AuthInterceptor
 from service.grpc_api.servicers import AdaptersServicer, GenerationServicer
-from service.http_api.app import HttpDoor, create_app
-from service.http_api.chat_template import load_chat_template
-from service.http_api.server import HttpServer
+from service.lifecycle import ServingState
 from service.limits import RequestLimits
-from service.runner.observer_group import ObserverGroup
+from service.prepare import Preparer
 from service.runner.scheduler import EngineRunner
-from service.telemetry.http_tracing import HttpTracer
+from service.security import SecurityConfig, TlsConfig
 from service.telemetry.interceptor import TracingInterceptor
-from service.telemetry.observer import TelemetryObserver
-from service.telemetry.prometheus import PrometheusMetrics
-from service.telemetry.setup import Telemetry
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAMES = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
 
 
-def default_replica_id() -> str:
-    """<hostname>-<pid>: unique among replicas on one host or in one cluster (a pod's hostname is its name)."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+class GrpcServer:
+    """bind() → start() → (set_serving) → stop(). Health answers NOT_SERVING until set_serving(True)."""
 
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"     # "0.0.0.0" / "[::]" to accept remote clients (e.g. in a container)
-    port: int = 50051           # 0: any free port (see LoraServer.port)
-    grace_period_s: float = 30.0  # drain: how long in-flight streams may take to finish
-    limits: RequestLimits = RequestLimits()      # queue, prompt / new tokens, streams, message size, slow readers
-    security: SecurityConfig = SecurityConfig()  # tokens, adapter management, TLS (both doors)
-    connections: ConnectionLimits = ConnectionLimits()  # open connections, idle / header timeouts (both doors)
-    # The OpenAI-compatible HTTP door on `host` (service/http_api/); None: off, 0: any free port.
-    # (`lora-serve --http-port` defaults to DEFAULT_HTTP_PORT; 0 there means off.)
-    http_port: int | None = None
-    # Names this process behind a balancer: x-replica-id on every Generate, OTEL service.instance.id.
-    replica_id: str = field(default_factory=default_replica_id)
-
-
-DEFAULT_HTTP_PORT = 8000
-
-
-class LoraServer:
-    """start() → warmup() → (serving) → drain() → stopped. Health is NOT_SERVING except while serving."""
-
-    def __init__(self, engine: Engine, config: ServerConfig = ServerConfig(), telemetry: Telemetry | None = None):
-        self.config = config
-        self.telemetry = telemetry  # None: tracing off (see telemetry_setup.py)
-        self.state = ServingState.WARMING_UP
-        self.runner = EngineRunner(engine, config.limits)
-        # Tracing on: the observer builds request and step spans from what the runner and the interceptor report.
-        self.observer = (TelemetryObserver(telemetry, self.runner.model_info().model, self.runner.is_adapter_known,
-                                            adapter_tiers=self.runner.adapter_tiers)
-                         if telemetry is not None else None)
-        # /metrics (the HTTP door): gauges read from the runner when scraped, counters fed like the observer.
-        self.metrics = (PrometheusMetrics(self.runner.stats, self.runner.model_info().model)
-                        if config.http_port is not None else None)
-        observers = [o for o in (self.observer, self.metrics) if o is not None]
-        self.runner.observer = observers[0] if len(observers) == 1 else ObserverGroup(observers) if observers else None
-        tracing = [TracingInterceptor(telemetry, self.observer)] if telemetry is not None else []
+    def __init__(self, runner: EngineRunner, preparer: Preparer, *, limits: RequestLimits, security: SecurityConfig,
+                 connections: ConnectionLimits, replica_id: str, state: Callable[[], ServingState], doors: int,
+                 tracing: TracingInterceptor | None = None):
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
-        self._stopped = False
+        tracers = [tracing] if tracing is not None else []
         self._server = grpc.aio.server(
             # Tracing first (outermost): its server span also covers refusals by the others; its inner part last.
-            interceptors=[*tracing, AuthInterceptor(config.security), ErrorInterceptor(lambda: self.state),
-                          *(t.inner for t in tracing)],
+            interceptors=[*tracers, AuthInterceptor(security), ErrorInterceptor(state), *(t.inner for t in tracers)],
             options=[("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
-                     ("grpc.max_receive_message_length", config.limits.max_message_bytes),
-                     *([("grpc.max_concurrent_streams", config.limits.max_streams_per_connection)]
-                       if config.limits.max_streams_per_connection else []),
-                     *config.connections.grpc_options(doors=self.doors)],
+                     ("grpc.max_receive_message_length", limits.max_message_bytes),
+                     *([("grpc.max_concurrent_streams", limits.max_streams_per_connection)]
+                       if limits.max_streams_per_connection else []),
+                     *connections.grpc_options(doors=doors)],
         )
-        self.generation = GenerationServicer(self.runner, config.limits, config.replica_id)
-        pb_grpc.add_GenerationServicer_to_server(self.generation, self._server)
-        pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(self.runner), self._server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(runner, preparer, replica_id), self._server)
+        pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runner), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        self.http: HttpServer | None = None
-        self.http_port: int | None = None
+        enable_reflection((*SERVICE_NAMES, health.SERVICE_NAME), self._server)
 
-    def _http_door(self) -> HttpServer:
-        """The OpenAI-compatible door: the same runner, servicer (validation, limits), tokens and TLS."""
-        door = HttpDoor(
-            runner=self.runner, generation=self.generation, security=self.config.security,
-            state=lambda: self.state, metrics=self.metrics, max_body_bytes=self.config.limits.max_message_bytes,
-            chat_template=load_chat_template(self.runner.model_dir),
-            tracer=HttpTracer(self.telemetry, self.observer) if self.telemetry is not None else None,
-            replica_id=self.config.replica_id, host=self.config.host)
-        if door.chat_template is None:
-            log.info("the model has no chat template: /v1/chat/completions answers 400")
-        return HttpServer(create_app(door), self.config.host, self.config.http_port, self.config.security.tls,
-                          self.config.connections)
-
-    @property
-    def doors(self) -> int:
-        """Listening doors, which share the file-handle budget: gRPC, and HTTP when on."""
-        return 1 + (self.config.http_port is not None)
-
-    @property
-    def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
-
-    async def start(self) -> int:
-        """Bind and accept calls (health answers NOT_SERVING until warm-up is done). Returns the port."""
-        address, tls = f"{self.config.host}:{self.config.port}", self.config.security.tls
+    def bind(self, host: str, port: int, tls: TlsConfig | None) -> int:
+        """Listen on host:port (0: any free port); returns the port. OSError when it cannot be bound."""
+        address = f"{host}:{port}"
         self.port = (self._server.add_secure_port(address, tls.server_credentials()) if tls
                      else self._server.add_insecure_port(address))
         if not self.port:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.runner.start()
-        await self._server.start()
-        if self.config.http_port is not None:
-            self.http = self._http_door()
-            try:
-                self.http_port = await self.http.start()
-            except BaseException:
-                await self.stop()
-                raise
+            raise OSError(f"cannot bind {address}")
         return self.port
 
-    async def warmup(self) -> float:
-        """Compile every graph variant (in the engine thread), then report SERVING."""
-        t0 = time.perf_counter()
-        await self.runner.warmup()
-        # What start-up made (modules, compiled graphs, protobuf descriptors) lives as long as the process:
-        # frozen, it is out of the collector's reach, so a later full collection (a stall of every stream,
-        # as long as the one timed here) walks only what serving allocates.
-        # Once per process: what a later server in the same process (tests) leaves behind must stay collectable.
-        if gc.get_freeze_count() == 0:
-            t_gc = time.perf_counter()
-            gc.collect()
-            gc.freeze()
-            log.info("warm-up: %d objects moved out of the garbage collector's reach (a full collection took "
-                     "%.0f ms)", gc.get_freeze_count(), 1000 * (time.perf_counter() - t_gc))
-        self.state = ServingState.SERVING
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        return time.perf_counter() - t0
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self._server.start()
 
-    async def drain(self, grace_period_s: float | None = None) -> bool:
-        """Refuse new calls (UNAVAILABLE), let in-flight streams finish within the grace period, stop.
-        Returns True if every stream finished on its own (the rest end with finish_reason CANCELLED)."""
-        grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
-        self.state = ServingState.DRAINING
-        await self.health.enter_graceful_shutdown()
-        clean = await self.runner.drain(grace)
-        await self.stop(grace_s=1.0)  # the last messages are queued; let them reach the clients
-        return clean
-
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Stop now (or after `grace_s` for calls already answered); in-flight requests fail with UNAVAILABLE."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self.state = ServingState.DRAINING
-        await self.health.enter_graceful_shutdown()
-        await self._server.stop(grace=grace_s)
-        await self.runner.shutdown()  # ends what the HTTP door still streams, then its connections close
-        if self.http is not None:
-            await self.http.stop()
-
-    async def wait_for_termination(self) -> None:
-        await self._server.wait_for_termination()
-
-    async def _set_health(self, status) -> None:
+    async def set_serving(self, serving: bool) -> None:
+        """Health of the server ("") and of each loraserve.v1 service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, status)
 
+    async def enter_graceful_shutdown(self) -> None:
+        """Health says NOT_SERVING from now on, whatever is set later."""
+        await self.health.enter_graceful_shutdown()
 
-async def serve(engine: Engine, config: ServerConfig, on_ready: Callable[[LoraServer], None] | None = None,
-                telemetry: Telemetry | None = None) -> bool:
-    """Run until SIGTERM/SIGINT, then drain. Returns True if the drain was clean."""
-    before, after = raise_open_files_limit()  # (before the doors derive their connection caps from it)
-    if after > before:
-        log.info("file-handle limit raised from %d to %d (the hard limit)", before, after)
-    server = LoraServer(engine, config, telemetry)
-    await server.start()
-    if config.security.management_is_open() and config.host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
-        log.warning("adapter management (LoadAdapter/UnloadAdapter) is open to anyone who can reach %s; "
-                    "set --admin-token or --disable-adapter-management", server.address)
-    log.info("connections: %s", config.connections.describe(server.doors))
-    if warning := config.connections.overcommitted(server.doors):
-        log.warning("%s", warning)
-    compiling = " (compiling the model's graphs; a cold start can take minutes)"
-    log.info("listening on %s; warming up%s...", server.address, compiling if server.runner.model_info().compiled else "")
-    try:
-        seconds = await server.warmup()
-    except BaseException:
-        await server.stop()  # do not leave a half-started server behind
-        raise
-    log.info("warm-up done in %.1fs", seconds)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log.info("lora-serve ready on %s (gRPC)%s", server.address,
-             f" and http{'s' if config.security.tls else ''}://{config.host}:{server.http_port} (OpenAI-compatible HTTP)"
-             if server.http_port else "")
-    if on_ready is not None:
-        on_ready(server)
-    await stop.wait()
-    log.info("draining: refusing new calls, waiting up to %.0fs for %d running and %d waiting requests",
-             config.grace_period_s, server.runner.num_running, server.runner.num_waiting)
-    clean = await server.drain()
-    log.info("drained %s; bye", "cleanly" if clean else "(grace period over; the rest were cancelled)")
-    return clean
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self._server.stop(grace=grace_s)
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()

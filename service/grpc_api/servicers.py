@@ -2,95 +2,64 @@
 the interceptor turns what they raise into statuses."""
 from __future__ import annotations
 
-import asyncio
-import logging
-from concurrent.futures import ThreadPoolExecutor
-
 import grpc
 
 from service._proto import pb, pb_grpc
+from service.adapter_management import AdapterManagement
 from service.affinity import (
     ADAPTER_ID_HEADER,
     REPLICA_ID_HEADER,
     adapter_header_problem,
 )
-from service.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
-from service.grpc_api.heap import LARGE_REQUEST_BYTES, HeapTrimmer
-from service.grpc_api.security import check_adapter_path
-from service.grpc_api.validation import MAX_NAME_CHARS, validate_generate
-from service.limits import RequestLimits
-from service.runner.request import GenerationRequest, RequestOutput
+from service.errors import FieldViolation, InvalidArgument
+from service.grpc_api.params import from_proto
+from service.prepare import Preparer
+from service.runner.request import RequestOutput
 from service.runner.scheduler import EngineRunner
-
-log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
     "eos": pb.FINISH_REASON_EOS, "cancelled": pb.FINISH_REASON_CANCELLED,
 }
 _TIERS = {"disk": pb.ADAPTER_TIER_DISK, "host": pb.ADAPTER_TIER_HOST, "device": pb.ADAPTER_TIER_DEVICE}
-_TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop (the tokenizer thread)
-_MAX_PATH_CHARS = 4096
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, runner: EngineRunner, limits: RequestLimits = RequestLimits(), replica_id: str = ""):
+    def __init__(self, runner: EngineRunner, preparer: Preparer, replica_id: str = ""):
         self._runner = runner
+        self._preparer = preparer  # shared with the HTTP door: tokenizing, every limit, the adapter check
         self._replica_metadata = ((REPLICA_ID_HEADER, replica_id),) if replica_id else ()
-        self._model = info = runner.model_info()
-        self._limits = limits
-        # A text longer than this cannot fit in a prompt whatever it says: refused before it is tokenized.
-        self._max_prompt = min(info.max_seq_len - 1, limits.max_prompt_tokens or info.max_seq_len)
-        self._max_text_chars = self._max_prompt * info.max_token_chars
-        # One thread: a burst of long texts queues there instead of taking every core from the engine thread.
-        self._tokenizer_pool: ThreadPoolExecutor | None = None
-        self._heap = HeapTrimmer()
-
-    async def prepare(self, request: pb.GenerateRequest) -> GenerationRequest:
-        """A GenerateRequest checked against every limit, its text tokenized (both front doors come here)."""
-        self._runner.check_capacity()  # RESOURCE_EXHAUSTED / UNAVAILABLE before any work
-        if len(request.text) + 4 * len(request.token_ids.ids) >= LARGE_REQUEST_BYTES:
-            self._heap.after_large_request()
-        prompt_ids = None
-        if request.WhichOneof("input") == "text":
-            prompt_ids = await self.encode(request.text)
-        req = validate_generate(request, prompt_ids, self._limits, self._model)
-        if req.adapter is not None and not self._runner.has_adapter(req.adapter):
-            raise NotFound("adapter", req.adapter)
-        return req
+        self._model = runner.model_info()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self._replica_metadata:  # first, so a refusal below also names the replica that refused
             await context.send_initial_metadata(self._replica_metadata)
         self._check_adapter_header(request, context)
-        req = await self.prepare(request)
-        state = self._runner.add_request(req)
-        # Cancellation, deadline or a closed stream: the runner drops the request within one step.
-        context.add_done_callback(lambda _ctx: self._runner.abort(state))
+        req = await self._preparer.prepare(from_proto(request))
+        parent = self._runner.add_parent_request([req])
+        # Cancellation, deadline or a closed stream: the runner drops every choice within one step.
+        context.add_done_callback(lambda _ctx: self._runner.abort(parent))
         try:
-            while True:
-                out = await state.next_output()
-                # A write waits while the client does not read (HTTP/2 flow control); the state may end it.
-                await state.deliver(context.write(_response(req.request_id, out)))
-                if out.finished:
-                    return
+            while not parent.finished:  # each choice's messages in order, its own last one included
+                out = await parent.next_output()
+                # A write waits while the client does not read (HTTP/2 flow control); the parent may end it.
+                await parent.deliver(context.write(_response(req.request_id, out)))
         finally:
-            self._runner.abort(state)  # no-op once finished
+            self._runner.abort(parent)  # no-op once finished
 
     def _check_adapter_header(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """x-adapter-id, when sent, must name the request's adapter: the balancer routed on it."""
         header = next((v for k, v in context.invocation_metadata() or () if k == ADAPTER_ID_HEADER), None)
         if isinstance(header, bytes):  # (only "-bin" keys carry bytes; be safe)
             header = header.decode("utf-8", "replace")
-        problem = adapter_header_problem(header, request.adapter, self._model.model, "adapter")
+        problem = adapter_header_problem(header, request.adapter, self._model.served_model_names, "adapter")
         if problem is not None:
             raise InvalidArgument([FieldViolation("adapter", problem)])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        if len(request.text) >= LARGE_REQUEST_BYTES:
-            self._heap.after_large_request()
-        ids = await self.encode(request.text, add_special)
+        self._preparer.note_input(len(request.text))
+        ids = await self._preparer.encode(request.text, add_special)
         return pb.TokenizeResponse(token_ids=ids, tokens=self._runner.token_strings(ids))
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
@@ -105,62 +74,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kv_cache_tokens=m.kv_cache_tokens, prefix_caching=m.prefix_caching,
         )
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > self._max_text_chars:
-            raise InvalidArgument([FieldViolation("text", (
-                f"the text has {len(text)} characters; a prompt of at most {self._max_prompt} tokens holds at "
-                f"most {self._max_text_chars} characters with this model's tokenizer (--max-prompt-tokens)"))])
-        encode = self._runner.encode
-        if len(text) <= _TOKENIZE_IN_THREAD_CHARS:
-            return encode(text, add_special_tokens)
-        if self._tokenizer_pool is None:
-            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode, text, add_special_tokens)
-
 
 class AdaptersServicer(pb_grpc.AdaptersServicer):
     def __init__(self, runner: EngineRunner):
         self._runner = runner
+        self._management = AdapterManagement(runner)  # (the HTTP door's /v1/load_lora_adapter uses it too)
 
     async def ListAdapters(self, request, context) -> pb.ListAdaptersResponse:
         return pb.ListAdaptersResponse(adapters=[self._info(a) for a in self._runner.list_adapters()])
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
         # No path: a prefetch of an adapter-directory adapter (its name is checked before any file access).
-        required = ("name",) if self._runner.model_info().on_demand_adapters else ("name", "path")
-        bad = [FieldViolation(f, "must not be empty") for f in required if not getattr(request, f)]
-        bad += [FieldViolation(f, f"at most {n} characters") for f, n in (("name", MAX_NAME_CHARS),
-                                                                          ("path", _MAX_PATH_CHARS))
-                if len(getattr(request, f)) > n]
-        if bad:
-            raise InvalidArgument(bad)
-        if not request.path:
-            if not self._runner.has_adapter(request.name):
-                raise NotFound("adapter", request.name)
-            info = await self._runner.load_adapter(request.name, None)
-            return pb.LoadAdapterResponse(adapter=self._info(info))
-        check_adapter_path(request.path, self._runner.adapter_roots)  # a precise message for escapes
-        if self._runner.adapter_users(request.name):
-            raise FailedPrecondition(f"adapter {request.name!r} is in use by in-flight requests; "
-                                     "it cannot be replaced now")
-        # (An unreadable path is an AdapterError from load_adapter: FAILED_PRECONDITION, docs/errors.md L06.)
-        info = await self._runner.load_adapter(request.name, request.path)
-        log.info("loaded adapter %s from %s (rank %d)", info.name, info.path, info.rank)
+        info = await self._management.load(request.name, request.path)
         return pb.LoadAdapterResponse(adapter=self._info(info))
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
-        name = request.name
-        if not name:
-            raise InvalidArgument([FieldViolation("name", "must not be empty")])
-        if len(name) > MAX_NAME_CHARS:
-            raise InvalidArgument([FieldViolation("name", f"at most {MAX_NAME_CHARS} characters")])
-        if not self._runner.has_adapter(name):
-            raise NotFound("adapter", name)
-        users = self._runner.adapter_users(name)
-        if users:
-            raise FailedPrecondition(f"adapter {name!r} is in use by {users} in-flight requests")
-        await self._runner.unload_adapter(name)
-        log.info("unloaded adapter %s", name)
+        await self._management.unload(request.name)
         return pb.UnloadAdapterResponse()
 
     def _info(self, info) -> pb.AdapterInfo:
@@ -176,11 +105,12 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
 
 
 def _response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                              logprobs=out.logprobs,
-                              top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[p for _, p in top])
-                                            for top in out.top_logprobs])
-    if out.finished:
+    msg = pb.GenerateResponse(request_id=request_id, index=out.index, text=out.text, token_ids=out.token_ids,
+                              logprobs=out.logprobs, top_logprobs=_top_logprobs(out.top_logprobs))
+    if out.prompt_logprobs:  # the first message of each choice, with response.prompt_logprobs
+        msg.prompt_logprobs.extend(out.prompt_logprobs)
+        msg.prompt_top_logprobs.extend(_top_logprobs(out.prompt_top_logprobs))
+    if out.finished:  # per choice: its own tokens (prompt_tokens: the prompt, which every choice reads)
         msg.finish_reason = _FINISH_REASONS[out.finish_reason]
         msg.usage.prompt_tokens = out.prompt_tokens
         msg.usage.completion_tokens = out.completion_tokens
@@ -190,3 +120,7 @@ def _response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
         if out.stop_token_id is not None:
             msg.stop_token_id = out.stop_token_id
     return msg
+
+
+def _top_logprobs(tops: list[list[tuple[int, float]]]) -> list[pb.TopLogprobs]:
+    return [pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[p for _, p in top]) for top in tops]

@@ -14,6 +14,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from service.errors import FailedPrecondition, FieldViolation, InvalidArgument
+
 log = logging.getLogger(__name__)
 MAX_QUOTED = 300  # characters of a template's own text (or a name) quoted in a message
 
@@ -146,3 +148,26 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
     except jinja2.exceptions.TemplateSyntaxError as e:
         log.warning("%s: the chat template does not parse (%s); chat completions are off", path, e)
         return None
+
+
+def render_chat(template: ChatTemplate | None, model: str, messages: list, add_generation_prompt: bool,
+                extra: dict[str, Any] | None, instead: str) -> str:
+    """`messages` (protocol.ChatMessage) as the model's template writes them, special tokens included (tokenize
+    the text without adding them again). Refused: no template (FAILED_PRECONDITION, saying what to do `instead`),
+    a content part other than text, or what the template refuses (INVALID_ARGUMENT on `messages`)."""
+    if template is None:
+        raise FailedPrecondition(
+            f"model {model!r} has no chat template (tokenizer_config.json has no chat_template); {instead}")
+    rendered = []
+    for i, m in enumerate(messages):
+        message = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):  # content parts: text only
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in m.content):
+                raise InvalidArgument([FieldViolation(f"messages[{i}].content",
+                                                      "only text content parts are supported")])
+            message["content"] = "".join(part["text"] for part in m.content)
+        rendered.append(message)
+    try:
+        return template.render(rendered, add_generation_prompt, extra)
+    except ChatTemplateError as e:
+        raise InvalidArgument([FieldViolation("messages", str(e))]) from None

@@ -3,6 +3,7 @@ the gRPC status the same mistake gets (service/errors.py decides the status for 
 from __future__ import annotations
 
 import grpc
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -72,6 +73,16 @@ def classify(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body, headers = classify(exc)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status the same mistake gets (a call's span records it)."""
+    if isinstance(exc, (ValidationError, RequestValidationError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, HttpError):
+        return exc.code, str(exc)
+    code, message, _ = status_of(exc)
+    return code, message
 
 
 def _loc(loc: tuple) -> str:

@@ -3,7 +3,7 @@ gets a name of its own resolved to this server's address and then calls the serv
 
 The names come from `--allowed-hosts` when given; else, when `--api-token` is set, any (the token is the guard);
 else from `--host`: the loopback names for a loopback address, that address for another one, any for a wildcard
-(0.0.0.0, ::), where the server is meant to be reached by whatever name its clients use. /health and /metrics
+(0.0.0.0, ::), where the server is meant to be reached by whatever name its clients use. /health (/ping) and /metrics
 answer any Host: probes and scrapers reach a pod by its IP, and both are open without a token anyway.
 """
 from __future__ import annotations
@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from service.grpc_api.security import SecurityConfig, host_pattern
 from service.http_api.errors import error_body
+from service.security import SecurityConfig, host_pattern
 
 ANY = "*"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_BINDS = ("", "0.0.0.0", "::")
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # (/ping: /health under vLLM's other name)
 MISDIRECTED = 421  # RFC 9110: the request went to a server that does not answer for that name
 _HOST_HEADER = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]@/\s*]+)(:\d{1,5})?")
 

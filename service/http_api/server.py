@@ -2,7 +2,7 @@
 
 The socket is bound here (not by uvicorn, which exits the process when a bind fails), so a taken port is an
 OSError at start like the gRPC port's, and port 0 reports the port it got. Signals stay with lora-serve: SIGTERM
-drains both doors (grpc_api/server.py), then this server stops.
+drains both doors (service/server.py), then this server stops.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from collections.abc import Generator
 import uvicorn
 
 from service.connections import ConnectionLimits, install_accept_error_handler
-from service.grpc_api.security import TlsConfig
 from service.http_api.h11_guard import DoorGuard, GuardedH11Protocol
+from service.security import TlsConfig
 
 log = logging.getLogger(__name__)
 

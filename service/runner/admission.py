@@ -7,7 +7,9 @@ a request never holds up the ones behind it for something they do not need:
   behind it whose adapter is already in a slot (or the base model) may pass, at most `max_overtakes` of them;
   then admission holds until a slot is unpinned, so a hot adapter cannot starve a cold one;
 - max_num_seqs sequences run, or too few KV blocks are free for its prompt: admission stops (first come, first
-  served: a shorter prompt behind it does not pass it; blocks free up as running sequences finish).
+  served: a shorter prompt behind it does not pass it; blocks free up as running sequences finish);
+- it is a sibling choice (n > 1) whose first choice has not computed their shared prompt yet: it keeps its place
+  and is skipped, so it reads that prompt from the prefix cache (parent_request.py).
 The engine decides each of these (Engine.admit's AdmitOutcome); admission only orders the queue.
 """
 from __future__ import annotations
@@ -63,6 +65,12 @@ def start_load(engine: Engine, state: RequestState, on_done: Callable[[Future], 
     return True
 
 
+def prompt_computed(first: RequestState) -> bool:
+    """Whether the choice a sibling waits for has its prompt's blocks in the prefix cache (it sampled a token:
+    every prefill chunk ran) or never will (finished, failed, cancelled)."""
+    return first.done or first.aborted or bool(first.seq.output_ids)
+
+
 def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
           on_load_done: Callable[[Future], None]) -> tuple[list[RequestState], list[tuple[RequestState, Exception | None]]]:
     admitted: list[RequestState] = []
@@ -75,6 +83,10 @@ def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
         if state.aborted:
             rejected.append((state, None))  # dropped; nothing to report to anyone
             continue
+        if state.waits_for is not None:  # a sibling choice (n > 1): it keeps its place, the others go on
+            if not prompt_computed(state.waits_for):
+                continue
+            state.waits_for = None
         name = state.request.adapter
         load = state.adapter_load
         if load is not None:

@@ -1,4 +1,5 @@
-"""Streaming text from token ids: incremental detokenization and stop-string matching.
+"""Streaming text from token ids: incremental detokenization, stop-string matching, and each token's own text
+(logprobs).
 
 Both hold text back rather than ever send something they would have to take back:
 - a multi-byte UTF-8 character split across tokens decodes to U+FFFD until its last byte arrives;
@@ -7,6 +8,7 @@ Both hold text back rather than ever send something they would have to take back
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -99,3 +101,30 @@ class StopStringMatcher:
             if any(stop.startswith(suffix) for stop in self.stops):
                 return k
         return 0
+
+
+class TokenBytes(Protocol):
+    def token_bytes(self, token_id: int) -> bytes: ...
+    def is_special(self, token_id: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """One token as logprobs show it (OpenAI's contract: concatenating the tokens' bytes gives the text)."""
+
+    text: str       # its text; part of a multi-byte character: OpenAI's "bytes:\\xe2\\x80"
+    data: bytes     # the bytes it adds to the text (raw: part of a character is part of its UTF-8)
+    special: bool   # a special token (BOS, EOS...): shown by its name, not part of the returned text
+
+
+def token_texts(tokenizer: TokenBytes, ids: Sequence[int]) -> list[TokenText]:
+    """Each token's own text, not its vocabulary piece ("Ġmate" is " mate")."""
+    out = []
+    for token_id in ids:
+        data = tokenizer.token_bytes(token_id)
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+        out.append(TokenText(text, data, tokenizer.is_special(token_id)))
+    return out

@@ -26,6 +26,8 @@ class OutputProcessor:
             logprobs=seq.output_logprobs[start:self._n_seen],
             top_logprobs=seq.output_top_logprobs[start:self._n_seen],
         )
+        if start == 0:  # the first output carries the prompt's log-probabilities (all computed by its first token)
+            out.prompt_logprobs, out.prompt_top_logprobs = list(seq.prompt_logprobs), list(seq.prompt_top_logprobs)
         reason = seq.finish_reason
         # An EOS or stop token ends the text; its id is reported, its text is not (as a stop string is not).
         text_ids = new_ids[:-1] if reason in ("eos", "stop") else new_ids

@@ -18,6 +18,7 @@ class GenerationRequest:
     sampling: SamplingParams
     adapter: str | None = None            # None: the base model
     stop: tuple[str, ...] = ()
+    n: int = 1                            # choices sampled from the one prompt
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class ModelInfo:
     num_kv_blocks: int = 0            # the paged KV cache: usable blocks of block_size tokens
     block_size: int = 0
     prefix_caching: bool = False
+    # Every name the base model answers to as a request's model (--served-model-name; `model` is the first).
+    served_model_names: tuple[str, ...] = ()
+
+    def is_base_model(self, name: str) -> bool:
+        """An empty name, or one the base model is served under."""
+        return name == "" or name in (self.served_model_names or (self.model,))
 
     @property
     def max_batch_size(self) -> int:
@@ -55,6 +62,7 @@ class ModelInfo:
 class RequestOutput:
     """What one engine step added to one request; the last one has finish_reason set."""
 
+    index: int = 0                    # which choice (prompt_index * n + i; service.runner.parent_request)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -65,6 +73,11 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0            # prompt tokens served from the prefix cache (set with finish_reason)
+    # With SamplingParams.prompt_logprobs (echo), on the request's first output only: entry i is prompt token i + 1's
+    # log-probability given the tokens before it (the first prompt token has none), and the top prompt_logprobs
+    # (token id, log-probability) pairs at that position, best first.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -76,6 +89,8 @@ class RequestOutput:
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
         self.top_logprobs += later.top_logprobs
+        self.prompt_logprobs += later.prompt_logprobs  # (only a first output has them)
+        self.prompt_top_logprobs += later.prompt_top_logprobs
         for name in ("finish_reason", "stop", "stop_token_id", "prompt_tokens", "completion_tokens", "cached_tokens"):
             setattr(self, name, getattr(later, name))
 

@@ -24,13 +24,14 @@ from typing import Any, TypeVar
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine, Sequence
 from lora_compile.errors import AdapterError
-from lora_compile.lora_manager import AdapterInfo
 from service.errors import EngineFailure, QueueFull, TooManyStreams, Unavailable
 from service.limits import RequestLimits
 from service.runner.admission import admit, load_error, start_load, step_error
+from service.runner.engine_door import EngineDoor
 from service.runner.output import OutputProcessor
+from service.runner.parent_request import ParentRequest, fan_out
 from service.runner.reports import IterationResult, RunnerObserver, SchedulerStats
-from service.runner.request import GenerationRequest, ModelInfo, RequestEventType
+from service.runner.request import GenerationRequest, RequestEventType
 from service.runner.request_state import RequestState
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,13 @@ _BURST_GAP_S = 0.002
 _BURST_MAX_S = 0.02
 
 
-class EngineRunner:
+class EngineRunner(EngineDoor):
     def __init__(self, engine: Engine, limits: RequestLimits = RequestLimits(),
-                 observer: RunnerObserver | None = None):
+                 observer: RunnerObserver | None = None, served_model_names: tuple[str, ...] = ()):
         self.engine = engine
         self.limits = limits
+        # --served-model-name: the names the base model answers to, the first reported (default: its directory's)
+        self.served_model_names = tuple(served_model_names) or (engine.model_name,)
         self.observer = observer  # None: tracing off (the only check on the hot path)
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []
@@ -95,89 +98,54 @@ class EngineRunner:
         """Run `fn` between steps (e.g. warm-up, unloading an adapter), never during one."""
         return await engine_thread.run(fn, *args)
 
-    # --- the service's door to the engine: nothing else in service/ touches the engine object ---------
-    def model_info(self) -> ModelInfo:
-        engine, cfg, tok, kv = self.engine, self.engine.config, self.engine.tokenizer, self.engine.kv_cache
-        return ModelInfo(
-            model=engine.model_name, architecture=engine.model_config.architecture,
-            vocab_size=min(engine.model_config.vocab_size, tok.vocab_size), max_seq_len=cfg.max_seq_len,
-            max_num_seqs=cfg.max_num_seqs, max_loras_per_batch=cfg.max_loras_per_batch,
-            max_lora_rank=cfg.max_lora_rank, dtype=str(engine.dtype).removeprefix("torch."),
-            device=str(engine.device), compiled=cfg.compile, eos_token_ids=tuple(sorted(tok.eos_token_ids)),
-            max_token_chars=tok.max_token_chars, max_cpu_lora_bytes=engine.adapters.max_cpu_lora_bytes,
-            on_demand_adapters=bool(engine.adapters.adapter_dirs), num_kv_blocks=kv.num_blocks,
-            block_size=kv.block_size, prefix_caching=cfg.enable_prefix_caching)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize (thread-safe: the tokenizer is not torch; long texts release the GIL)."""
-        return self.engine.tokenizer.encode(text, add_special_tokens)
-
-    def token_strings(self, ids: list[int]) -> list[str]:
-        return [self.engine.tokenizer.id_to_token(i) or "" for i in ids]
-
-    def has_adapter(self, name: str) -> bool:
-        """Registered, or found in an adapter directory. Raises AdapterNameError (INVALID_ARGUMENT) for a name
-        that cannot be an adapter directory's entry, before any file is touched."""
-        return self.engine.adapters.knows(name)
-
-    def is_adapter_known(self, name: str) -> bool:
-        """Registered or read once (no file access): for telemetry labels."""
-        return name in self.engine.adapters
-
-    def adapter_tiers(self) -> dict[str, int]:
-        return self.engine.adapters.tier_counts()
-
-    def list_adapters(self) -> list[AdapterInfo]:
-        return self.engine.adapters.list()
-
-    @property
-    def adapter_roots(self) -> tuple[str, ...]:
-        return self.engine.adapters.roots
-
-    async def load_adapter(self, name: str, path: str | None) -> AdapterInfo:
-        """Register `name` from `path`, or with no path read an adapter-directory adapter into host memory
-        (a prefetch). The files are read on the loader threads; streams keep stepping meanwhile."""
-        manager = self.engine.adapters
-        if not path:
-            future = manager.prefetch(name)
-            if future is not None:
-                result = await asyncio.wrap_future(future)
-                if result.error is not None:
-                    raise result.error
-            return next(a for a in manager.list() if a.name == name)
-        adapter = await asyncio.wrap_future(manager.loader.run(manager.read, name, path))
-        # Between steps: replacing an adapter clears its device slot, which a step must not see half-done.
-        return await engine_thread.run(manager.register_loaded, adapter)
-
-    async def unload_adapter(self, name: str) -> None:
-        # Between steps: unloading clears the adapter's device slot, which a step must not see half-done.
-        await engine_thread.run(self.engine.adapters.unregister, name)
-
-    async def warmup(self) -> float:
-        """Compile every graph variant in the engine thread; the seconds it took."""
-        if self.engine.thread_id != engine_thread.ident():
-            log.warning("the engine was built outside the engine thread: on few cores its steps may run ~2x "
-                        "slower; build it with service.runner.engine_thread.call(Engine, config)")
-        return await engine_thread.run(self.engine.warmup)
-
     # --- requests -----------------------------------------------------------------------------------
-    def check_capacity(self) -> None:
-        """Cheap, before any work on a new request: refuse now rather than queue without bound."""
+    def check_capacity(self, sequences: int = 1) -> None:
+        """Cheap, before any work on a new request of `sequences` choices (each counts as a request against
+        the queue and as a stream): refuse now rather than queue without bound."""
         if not self._accepting:
             raise Unavailable("server is draining (shutting down); retry on another replica")
         # Count against batch + queue, not the queue alone: a burst on an idle server is admitted at once.
         in_flight = len(self._waiting) + len(self._running)
-        if in_flight >= self.engine.config.max_num_seqs + self.limits.max_queue:
-            raise QueueFull(max(0, in_flight - self.engine.config.max_num_seqs), self.limits.retry_after_s)
-        if self._open_streams >= self.max_streams:  # includes finished streams still flushing to slow readers
+        capacity = self.engine.config.max_num_seqs + self.limits.max_queue
+        if in_flight + sequences > capacity:
+            raise QueueFull(max(0, in_flight - self.engine.config.max_num_seqs), self.limits.retry_after_s, sequences,
+                            max(0, capacity - in_flight))
+        if self._open_streams + sequences > self.max_streams:  # includes finished streams flushing to slow readers
             raise TooManyStreams(self.max_streams, self.limits.retry_after_s)
 
+    @property
+    def max_request_sequences(self) -> int:
+        """The most sequences (prompts x n) one call can ever be given: more is refused whatever the load."""
+        return min(self.engine.config.max_num_seqs + self.limits.max_queue, self.max_streams)
+
+    def add_parent_request(self, requests: list[GenerationRequest]) -> ParentRequest:
+        """A call of one or several prompts, each with its n choices (parent_request.py): all of them are queued,
+        or none (RESOURCE_EXHAUSTED / UNAVAILABLE)."""
+        choices = fan_out(requests, self.engine.kv_cache.block_size, self.engine.config.enable_prefix_caching)
+        self.check_capacity(len(choices))
+        states: list[RequestState] = []
+        for choice in choices:
+            state = self._new_state(choice.request, choice.index)
+            if choice.waits_for is not None:
+                state.waits_for = states[choice.waits_for]
+            states.append(state)
+        parent = ParentRequest(requests[0].request_id, states, keep_finished_s=self.limits.stall_timeout_s)
+        for state in states:
+            self._queue(state)
+        return parent
+
     def add_request(self, request: GenerationRequest) -> RequestState:
-        self.check_capacity()
+        """One sequence (n = 1) read on its own (benchmarks, tests); the doors call add_parent_request."""
+        if request.n != 1:
+            raise ValueError(f"add_request takes one choice, got n = {request.n}; use add_parent_request")
+        return self.add_parent_request([request]).choices[0]
+
+    def _new_state(self, request: GenerationRequest, index: int) -> RequestState:
         seq = Sequence(seq_id=next(self._seq_ids), prompt_ids=list(request.prompt_ids),
                        sampling=request.sampling, adapter=request.adapter)
-        state = RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop),
-                             keep_finished_s=self.limits.stall_timeout_s)
+        return RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop), index=index)
+
+    def _queue(self, state: RequestState) -> None:
         state.record_event(RequestEventType.QUEUED)
         start_load(self.engine, state, self._on_load_done)  # its adapter's read starts now, while it queues
         if self.observer is not None:
@@ -186,10 +154,18 @@ class EngineRunner:
         self._waiting.append(state)
         self._idle.clear()
         self._wake()
-        return state
 
-    def abort(self, state: RequestState) -> None:
-        """The stream ended (or the client is gone): drop the request; its slots are freed within one step."""
+    def abort(self, request: ParentRequest | RequestState) -> None:
+        """The stream ended (or the client is gone): drop the request (every choice of a ParentRequest); its slots
+        are freed within one step."""
+        states = request.choices if isinstance(request, ParentRequest) else [request]
+        for state in states:
+            self._abort(state)
+        parent = states[0].parent if states else None
+        if parent is not None and not parent.closed and all(s.closed for s in parent.choices):
+            parent.close()
+
+    def _abort(self, state: RequestState) -> None:
         if not state.done:
             state.record_event(RequestEventType.ABORTED)
         if not state.closed:

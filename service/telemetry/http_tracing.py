@@ -1,6 +1,6 @@
 """Tracing of the HTTP door: a SERVER span per OpenAI request, child of the caller's W3C `traceparent` header,
 under which the observer opens the same request span as for a gRPC Generate call (joined to the same engine
-step spans). The request is recorded as the GenerateRequest it became, so the span carries the same attributes.
+step spans). The request is recorded as the GenerateParams it became, so the span carries the same attributes.
 
   POST /v1/completions          SERVER; http.* attributes, the gRPC status of the outcome
   └ text_completion {adapter}   (observer.py)
@@ -43,7 +43,7 @@ class HttpTracer:
     @staticmethod
     def record_request(call: CallSpan | None, request: Any) -> None:
         if call is not None:
-            call.request = request  # the GenerateRequest: the request span's sampling attributes
+            call.request = request  # the GenerateParams: the request span's sampling attributes
 
     @never_raise
     def end(self, call: CallSpan | None, code: grpc.StatusCode, http_status: int, *, cancelled: bool = False,

@@ -20,7 +20,7 @@ import grpc.aio
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from service.grpc_api.interceptors import API_PREFIX
+from service.security import API_PREFIX
 from service.telemetry.setup import Telemetry, never_raise
 
 if TYPE_CHECKING:

@@ -31,6 +31,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link
 
+from service.generate_params import GenerateParams
 from service.runner.request import RequestEventType
 from service.telemetry.adapter_events import LOAD_BUCKETS, adapter_metric
 from service.telemetry.interceptor import CallSpan, current_call, set_error
@@ -89,7 +90,7 @@ class TelemetryObserver:
         self._model_name = model_name
         self._known = known_adapter
         self._requests: dict[RequestState, _Request] = {}  # added, stream not ended
-        self._by_call: dict[CallSpan, _Request] = {}       # added in a traced call that has not ended
+        self._by_call: dict[CallSpan, list[_Request]] = {}  # added in a traced call (one per choice), not ended
         meter = telemetry.meter
         self.ttft = meter.create_histogram(
             "gen_ai.server.time_to_first_token", "s", "Time from the request's arrival to its first token",
@@ -146,7 +147,7 @@ class TelemetryObserver:
         rec = self._open(state.request.adapter, call, state.events[0].time_ns if call is None else call.start_ns)
         self._requests[state] = rec
         if call is not None:
-            self._by_call[call] = rec
+            self._by_call.setdefault(call, []).append(rec)
         rec.span.set_attributes({"gen_ai.usage.input_tokens": len(state.request.prompt_ids),
                                  "lora_serve.request.id": state.request.request_id})
         self._read_events(rec, state)
@@ -179,14 +180,15 @@ class TelemetryObserver:
     # --- the interceptor's hook ----------------------------------------------------------------------------
     @never_raise
     def on_call_end(self, call: CallSpan) -> None:
-        """A call that reached its handler ended; its request span ends with the call's status."""
+        """A call that reached its handler ended; its request spans (one per choice) end with the call's status."""
         if call.method != _GENERATE:
             return
-        rec = self._by_call.pop(call, None)
-        if rec is None:  # refused before the runner (invalid, unknown adapter, queue full): a request span alone
-            rec = self._open(call.request.adapter, call, call.start_ns)
-        self._end(rec, call.code or grpc.StatusCode.UNKNOWN, call.cancelled, call.end_ns or time.time_ns(),
-                  call.message)
+        recs = self._by_call.pop(call, None)
+        if recs is None:  # refused before the runner (invalid, unknown adapter, queue full): a request span alone
+            recs = [self._open(call.request.adapter, call, call.start_ns)]
+        for rec in recs:
+            self._end(rec, call.code or grpc.StatusCode.UNKNOWN, call.cancelled, call.end_ns or time.time_ns(),
+                      call.message)
 
     # --- request spans -----------------------------------------------------------------------------------
     def _open(self, adapter: str | None, call: CallSpan | None, start_ns: int) -> _Request:
@@ -332,18 +334,24 @@ _SAMPLING_ATTRIBUTES = (("temperature", "gen_ai.request.temperature"), ("top_p",
 
 
 def _request_attributes(request: Any) -> dict[str, Any]:
-    """The sampling parameters the client set, from its GenerateRequest (unset ones are the server's defaults,
-    not the request's)."""
+    """The sampling parameters the client set (unset ones are the server's defaults, not the request's): from the
+    GenerateParams an HTTP request became, or a gRPC call's GenerateRequest."""
+    if isinstance(request, GenerateParams):
+        values = {field: getattr(request, field) for field, _ in _SAMPLING_ATTRIBUTES}
+        max_tokens = request.max_new_tokens
+    else:
+        sampling, stopping = request.sampling, request.stopping
+        values = {field: getattr(sampling, field) for field, _ in _SAMPLING_ATTRIBUTES if sampling.HasField(field)}
+        max_tokens = stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None
     attrs: dict[str, Any] = {}
-    sampling = request.sampling
     for field, key in _SAMPLING_ATTRIBUTES:
-        if sampling.HasField(field):
-            value = getattr(sampling, field)
-            if isinstance(value, float):
-                value = round(value, 6)  # float32 on the wire: 0.8 arrives as 0.800000011920929
-            elif value >= 2**63:
-                value = str(value)  # a uint64 seed beyond OTLP's int64
+        value = values.get(field)
+        if isinstance(value, float):
+            value = round(value, 6)  # float32 on the wire: 0.8 arrives as 0.800000011920929
+        elif value is not None and value >= 2**63:
+            value = str(value)  # a uint64 seed beyond OTLP's int64
+        if value is not None:
             attrs[key] = value
-    if request.stopping.HasField("max_new_tokens"):
-        attrs["gen_ai.request.max_tokens"] = request.stopping.max_new_tokens
+    if max_tokens is not None:
+        attrs["gen_ai.request.max_tokens"] = max_tokens
     return attrs

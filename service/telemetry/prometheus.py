@@ -1,135 +1,119 @@
-"""Prometheus metrics for `/metrics` (the HTTP door), in the `lora_serve:` namespace: the model-server protocol of
-the Gateway API Inference Extension (queue, running, KV-cache use, cache config, LoRA state in vLLM's
-`lora_requests_info` format) and vLLM's request, prefix-cache and preemption counters and latency histograms.
+"""Prometheus metrics for `/metrics` (the HTTP door): the model-server protocol of the Gateway API Inference
+Extension (queue, running, KV-cache use, cache config, LoRA state in vLLM's `lora_requests_info` format) and vLLM's
+request, token, latency, prefix-cache and preemption metrics, named ours (`lora_serve:`) or vLLM's
+(`--metrics-prefix vllm`; prometheus_names.py).
 
 Two sources, neither of which steers anything:
   - gauges and the engine's own counters (prefix cache, preemptions) are read from the scheduler at scrape time
-    (`EngineRunner.stats()`), so they are exact when scraped;
-  - counters and histograms are fed by the runner's observer hooks (`on_finished`: the request's lifecycle events).
+    (prometheus_scheduler.py), so they are exact when scraped;
+  - counters and histograms are fed by the runner's observer hooks: each step's sampled tokens (on_iteration:
+    token counts, time to first token, inter-token latency, tokens per step) and each request's lifecycle events
+    when its stream ends (on_finished: request_times.py).
 One registry per server (a process may run several, as the tests do). The OTLP metrics of observer.py are
 independent of these and keep working.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
-from service.runner.request import RequestEventType
 from service.telemetry.adapter_events import LOAD_BUCKETS, adapter_metric
+from service.telemetry.prometheus_names import (
+    INTER_TOKEN_LATENCY_BUCKETS,
+    ITERATION_TOKENS_BUCKETS,
+    OWN_PREFIX,
+    REQUEST_LATENCY_BUCKETS,
+    REQUEST_NUM_PREEMPTIONS_BUCKETS,
+    REQUEST_PARAMS_N_BUCKETS,
+    TTFT_BUCKETS,
+    MetricNames,
+    request_tokens_buckets,
+)
+from service.telemetry.prometheus_scheduler import SchedulerCollector
+from service.telemetry.request_times import RequestTimes
 from service.telemetry.setup import never_raise
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from service.runner.reports import IterationResult, SchedulerStats
     from service.runner.request_state import RequestState
 
 disable_created_metrics()  # no `_created` series beside every counter and histogram (vLLM does the same)
-PREFIX = "lora_serve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# vLLM's buckets for the same histograms.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
-_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
-
-
-class _SchedulerCollector(Collector):
-    """Gauges from a scheduler snapshot, taken when Prometheus scrapes."""
-
-    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str):
-        self._stats = stats
-        self._model = model_name
-
-    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        s = self._stats()
-        model = ["model_name"], [self._model]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=model[0])
-            g.add_metric(model[1], value)
-            return g
-
-        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
-            # The engine's own monotonic counts, read at scrape time (exposed as <name>_total)
-            c = CounterMetricFamily(PREFIX + name, doc, labels=model[0])
-            c.add_metric(model[1], value)
-            return c
-
-        yield gauge("num_requests_running", "Requests in the running batch", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be admitted", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "KV-cache usage: share of the KV blocks held by running requests (0..1)",
-                    s.kv_cache_usage)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV not computed again)",
-                      s.prefix_cache_hits)
-        yield counter("num_preemptions", "Running requests preempted for KV blocks (recomputed when readmitted)",
-                      s.num_preemptions)
-        # vLLM's cache_config_info: the endpoint picker's prefix-cache scorer sizes its per-pod index from these
-        # labels (block_size, num_gpu_blocks: the blocks of the KV pool, on whichever device holds it).
-        config = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache configuration (the value is 1)",
-                                   labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
-        config.add_metric([str(s.block_size), str(s.num_kv_blocks), str(s.prefix_caching)], 1.0)
-        yield config
-        # vLLM's format, read by the endpoint picker: the value is the time of the snapshot.
-        info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters",
-                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        info.add_metric([str(s.max_loras), ",".join(s.running_adapters), ",".join(s.waiting_adapters)], time.time())
-        yield info
-        resident = GaugeMetricFamily(PREFIX + "lora_adapter_resident",
-                                     "1 for each adapter held in a tier: device (a LoRA slot) or host (memory)",
-                                     labels=["adapter", "tier"])
-        for tier, names in (("device", s.device_adapters), ("host", s.host_adapters)):
-            for name in names:
-                resident.add_metric([name, tier], 1.0)
-        yield resident
-        tiers = GaugeMetricFamily(PREFIX + "lora_adapters", "Known adapters by the fastest tier holding them "
-                                  "(device slot, host memory, disk only)", labels=["tier"])
-        for tier, n in s.adapter_tiers.items():
-            tiers.add_metric([tier], n)
-        yield tiers
+_TOKENS = "request_tokens"  # vLLM's 1-2-5 token buckets up to the context length
+# name → (help, buckets); vLLM's names after the prefix (prometheus_names maps the one that differs).
+_HISTOGRAMS: dict[str, tuple[str, tuple | str]] = {
+    "time_to_first_token_seconds": ("Time from arrival to the first token", TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("Time between two tokens of a request (each gap)", INTER_TOKEN_LATENCY_BUCKETS),
+    "time_per_output_token_seconds": ("Mean time per output token after the first, per request",
+                                      INTER_TOKEN_LATENCY_BUCKETS),
+    "e2e_request_latency_seconds": ("Time from arrival to the last token", REQUEST_LATENCY_BUCKETS),
+    "request_queue_time_seconds": ("Time from arrival to the first admission (waiting)", REQUEST_LATENCY_BUCKETS),
+    "request_prefill_time_seconds": ("Time from the first admission to the first token", REQUEST_LATENCY_BUCKETS),
+    "request_decode_time_seconds": ("Time from the first token to the last", REQUEST_LATENCY_BUCKETS),
+    "request_inference_time_seconds": ("Time from the first admission to the last token", REQUEST_LATENCY_BUCKETS),
+    "request_prompt_tokens": ("Prompt tokens per finished request", _TOKENS),
+    "request_generation_tokens": ("Generated tokens per finished request", _TOKENS),
+    "request_max_num_generation_tokens": ("Generated tokens per finished request (the most of its choices)",
+                                          _TOKENS),
+    "request_params_max_tokens": ("The max_tokens (max_new_tokens) of finished requests", _TOKENS),
+    "request_params_n": ("The n (choices) of finished requests", REQUEST_PARAMS_N_BUCKETS),
+    "request_prefill_kv_computed_tokens": ("Prompt tokens computed at prefill (not found in the prefix cache)",
+                                           _TOKENS),
+    "request_num_preemptions": ("Times a finished request was preempted", REQUEST_NUM_PREEMPTIONS_BUCKETS),
+    "iteration_tokens_total": ("Tokens per engine step (prefill chunks and decodes)", ITERATION_TOKENS_BUCKETS),
+}
 
 
 class PrometheusMetrics:
-    """The registry behind `/metrics`, and a RunnerObserver that feeds its counters and histograms."""
+    """The registry behind `/metrics`, and a RunnerObserver that feeds its counters and histograms.
+    `max_model_len` bounds the token-count buckets (vLLM's); `prefix`: "lora_serve" or "vllm"."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str):
+    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str, max_model_len: int,
+                 prefix: str = "lora_serve"):
+        names = self.names = MetricNames(prefix)
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_SchedulerCollector(stats, model_name))
-        labels = {"labelnames": ["model_name"], "registry": self.registry}
-        self._model = model_name
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", **labels)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", **labels)
-        self.request_success = Counter(PREFIX + "request_success", "Requests that ended, by finish reason "
-                                       "(length, stop, eos, cancelled)",
-                                       labelnames=["model_name", "finished_reason"], registry=self.registry)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=_TTFT_BUCKETS, **labels)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=_TPOT_BUCKETS, **labels)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token",
-                             buckets=_E2E_BUCKETS, **labels)
+        self.registry.register(SchedulerCollector(stats, model_name, names))
+        model = names.labelvalues(model_name)
 
-        self.adapter_loads = Counter(PREFIX + "lora_adapter_loads", "Adapter reads from disk, by result (ok, error)",
-                                     labelnames=["result"], registry=self.registry)
-        self.adapter_evictions = Counter(PREFIX + "lora_adapter_evictions", "Adapters evicted, by tier (device, host)",
-                                         labelnames=["tier"], registry=self.registry)
-        self.adapter_load_time = Histogram(PREFIX + "lora_adapter_load_seconds", "Adapter load time by phase "
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(names(name), doc, names.labelnames, registry=self.registry).labels(*model)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of prefilled requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.request_success = Counter(names("request_success"), "Requests that ended, by finish reason",
+                                       [*names.labelnames, "finished_reason"], registry=self.registry)
+        for reason in names.finish_reasons:  # each at zero from the start, as vLLM's
+            self.request_success.labels(*model, reason)
+        self._model = model
+        token_buckets = request_tokens_buckets(max_model_len)
+        self.histograms = {
+            key: Histogram(names(key), doc, names.labelnames, registry=self.registry,
+                           buckets=token_buckets if buckets == _TOKENS else buckets).labels(*model)
+            for key, (doc, buckets) in _HISTOGRAMS.items()}
+        # When each running request's last token was sampled (end of its step): inter-token gaps, last token.
+        self._last_token_ns: dict[RequestState, int] = {}
+        # A prompt's n choices still running: (parent, prompt index) → [choices left, most generated, any finished]
+        self._prompts: dict[tuple, list] = {}
+
+        # Adapter tiers: no vLLM counterpart, so always ours.
+        self.adapter_loads = Counter(OWN_PREFIX + "lora_adapter_loads", "Adapter reads from disk, by result "
+                                     "(ok, error)", labelnames=["result"], registry=self.registry)
+        self.adapter_evictions = Counter(OWN_PREFIX + "lora_adapter_evictions", "Adapters evicted, by tier "
+                                         "(device, host)", labelnames=["tier"], registry=self.registry)
+        self.adapter_load_time = Histogram(OWN_PREFIX + "lora_adapter_load_seconds", "Adapter load time by phase "
                                            "(disk_read: loader thread; device_copy: between steps)",
                                            labelnames=["phase"], buckets=LOAD_BUCKETS, registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def _observe(self, name: str, value: float | None) -> None:
+        if value is not None:
+            self.histograms[name].observe(value)
 
     # --- RunnerObserver ----------------------------------------------------------------------------
     def on_added(self, state: RequestState) -> None:
@@ -144,33 +128,70 @@ class PrometheusMetrics:
                 self.adapter_loads.labels(m.load_result).inc()
             if m.phase is not None:
                 self.adapter_load_time.labels(m.phase).observe(m.seconds)
+        step = result.step
+        if step is None:  # nothing ran, or the step failed
+            return
+        self.histograms["iteration_tokens_total"].observe(step.num_tokens)
+        # (Read from the step's own output: the engine thread may already be running the next one.)
+        by_seq = {s.seq.seq_id: s for s in result.stepped}
+        end = step.end_ns
+        for seq_id in step.seq_ids:
+            state = by_seq.get(seq_id)
+            if state is None or state.closed:  # its stream has ended: on_finished has run
+                continue
+            last = self._last_token_ns.get(state)
+            if last is None:  # its first token: the prompt was computed
+                self.prompt_tokens.inc(len(state.request.prompt_ids))
+                self._observe("time_to_first_token_seconds", RequestTimes.seconds(state.events[0].time_ns, end))
+            else:
+                self._observe("inter_token_latency_seconds", RequestTimes.seconds(last, end))
+            self.generation_tokens.inc()
+            self._last_token_ns[state] = end
 
     @never_raise
     def on_finished(self, state: RequestState) -> None:
-        queued = first = finished = None
-        reason, aborted = None, False
-        for event in list(state.events):
-            if event.type is RequestEventType.QUEUED:
-                queued = event.time_ns
-            elif event.type is RequestEventType.FIRST_TOKEN:
-                first = event.time_ns
-            elif event.type is RequestEventType.FINISHED:
-                finished = event.time_ns
-                reason = (event.fields or {}).get("finish_reason")  # None: the request failed
-            elif event.type is RequestEventType.ABORTED:
-                aborted = True
-        model = self._model
+        last_token_ns = self._last_token_ns.pop(state, None)
+        t = RequestTimes.of(state)
+        reason = self.names.finish_reason(t.outcome)
+        if reason is not None:
+            self.request_success.labels(*self._model, reason).inc()
         generated = len(state.seq.output_ids)
-        if first is not None:  # admitted and prefilled: its prompt was computed
-            self.prompt_tokens.labels(model).inc(len(state.request.prompt_ids))
-            self.ttft.labels(model).observe((first - queued) / 1e9)
-        self.generation_tokens.labels(model).inc(generated)
-        if reason is None and aborted:
-            reason = "cancelled"
-        if reason is None:
-            return  # an error: not a success of any kind
-        self.request_success.labels(model, reason).inc()
-        if finished is not None and queued is not None:
-            self.e2e.labels(model).observe((finished - queued) / 1e9)
-            if first is not None and generated > 1:
-                self.tpot.labels(model).observe((finished - first) / 1e9 / (generated - 1))
+        completed = t.finished_ns is not None and not t.failed
+        self._prompt_choices_done(state, generated, completed)
+        if not completed:
+            return  # cancelled or failed: how long it ran says nothing of the server's latency
+        last = last_token_ns if last_token_ns is not None else t.finished_ns
+        prompt = len(state.request.prompt_ids)
+        decode = RequestTimes.seconds(t.first_token_ns, last)
+        for name, value in (
+                ("e2e_request_latency_seconds", RequestTimes.seconds(t.queued_ns, last)),
+                ("request_queue_time_seconds", RequestTimes.seconds(t.queued_ns, t.admitted_ns)),
+                ("request_prefill_time_seconds", RequestTimes.seconds(t.admitted_ns, t.first_token_ns)),
+                ("request_decode_time_seconds", decode),
+                ("request_inference_time_seconds", RequestTimes.seconds(t.admitted_ns, last)),
+                ("time_per_output_token_seconds", decode / (generated - 1) if decode is not None
+                 and generated > 1 else None),
+                ("request_prompt_tokens", prompt),
+                ("request_generation_tokens", generated),
+                ("request_params_max_tokens", state.request.sampling.max_new_tokens),
+                ("request_prefill_kv_computed_tokens", prompt - t.cached_tokens),
+                ("request_num_preemptions", state.seq.num_preemptions)):
+            self._observe(name, value)
+
+    def _prompt_choices_done(self, state: RequestState, generated: int, completed: bool) -> None:
+        """n and the most tokens any choice generated, once per prompt when its last choice ends (vLLM's
+        ParentRequest: each choice is a request of its own for the other metrics)."""
+        n = state.request.n
+        if n == 1 or state.parent is None:
+            key, group = None, [1, generated, completed]
+        else:
+            key = (state.parent, state.index // n)  # choice index = prompt_index * n + i
+            group = self._prompts.setdefault(key, [n, 0, False])
+            group[1], group[2] = max(group[1], generated), group[2] or completed
+        group[0] -= 1
+        if group[0] > 0:
+            return
+        self._prompts.pop(key, None)
+        if group[2]:  # one of its choices finished (not all cancelled or failed)
+            self._observe("request_params_n", n)
+            self._observe("request_max_num_generation_tokens", group[1])

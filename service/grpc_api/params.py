@@ -1,0 +1,34 @@
+"""GenerateRequest (proto) → GenerateParams, with the fields named by their GenerateRequest paths in refusals."""
+from __future__ import annotations
+
+from service._proto import pb
+from service.generate_params import FieldNames, GenerateParams
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "n")
+GRPC_NAMES = FieldNames({
+    **{name: f"sampling.{name}" for name in _SAMPLING}, "logit_bias": "sampling.logit_bias",
+    "token_ids": "token_ids.ids[]", "max_new_tokens": "stopping.max_new_tokens", "stop": "stopping.stop[]",
+    "stop_token_ids": "stopping.stop_token_ids[]", "top_logprobs": "response.top_logprobs",
+    "prompt_logprobs": "response.prompt_logprobs",
+})
+
+
+def from_proto(request: pb.GenerateRequest) -> GenerateParams:
+    """Never raises; repeated fields and the map are passed as the message's containers (not copied: a huge
+    one is refused by its length)."""
+    sampling, stopping, response = request.sampling, request.stopping, request.response
+    optional = {name: getattr(sampling, name) for name in _SAMPLING if sampling.HasField(name)}
+    if stopping.HasField("max_new_tokens"):
+        optional["max_new_tokens"] = stopping.max_new_tokens
+    if response.HasField("prompt_logprobs"):
+        optional["prompt_logprobs"] = response.prompt_logprobs
+    prompt = request.WhichOneof("input")
+    return GenerateParams(
+        names=GRPC_NAMES, request_id=request.request_id, adapter=request.adapter,
+        text=request.text if prompt == "text" else None,
+        token_ids=request.token_ids.ids if prompt == "token_ids" else None,
+        logit_bias=sampling.logit_bias, stop=stopping.stop, stop_token_ids=stopping.stop_token_ids,
+        ignore_eos=stopping.ignore_eos, logprobs=response.logprobs, top_logprobs=response.top_logprobs,
+        **optional,
+    )
