@@ -10,6 +10,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import openai
+
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_serve_demo import write_demo_adapters, write_demo_checkpoint
@@ -106,6 +108,12 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+def openai_client(server: ServerThread, **kwargs: Any) -> openai.OpenAI:
+    """The official client for the server's HTTP door: no retries (a refusal is the test's answer), 60 s timeout."""
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused",
+                         **{"max_retries": 0, "timeout": 60} | kwargs)
 
 
 def make_request(text: str | None = "Once upon a time", **fields) -> pb.GenerateRequest:

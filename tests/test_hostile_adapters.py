@@ -25,7 +25,7 @@ from lora_compile.model import LORA_TARGETS
 from service.client import FailedPreconditionError, InvalidArgumentError
 from service.server import ServerConfig
 from tests.http_wire import post
-from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, wait_for
+from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, openai_client, wait_for
 from tests.test_isolation import CONFIG, WEIGHTS, edited_adapter, overflowing_adapter
 
 PROMPT = "Once upon a time"
@@ -46,11 +46,6 @@ def served(library):
     server = ServerThread(engine, ServerConfig(port=0, http_port=0))
     yield server
     server.stop()
-
-
-def _openai(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused",
-                         max_retries=0, timeout=60)
 
 
 def _config(**changes) -> str:
@@ -77,7 +72,7 @@ def _refused_on_both_doors(server: ServerThread, name: str, *says: str, streamin
     with server.client() as client, pytest.raises(FailedPreconditionError) as info:
         client.complete(PROMPT, adapter=name, max_new_tokens=2)
     assert all(s in info.value.message for s in says), info.value.message
-    with _openai(server) as http:
+    with openai_client(server) as http:
         for stream in (False, True) if streaming else (False,):
             with pytest.raises(openai.BadRequestError) as error:
                 http.completions.create(model=name, prompt=PROMPT, max_tokens=2, stream=stream)

@@ -22,6 +22,7 @@ from tests.service_harness import (
     build_engine,
     demo_paths,
     make_request,
+    openai_client,
     shared_engine,
     wait_for,
 )
@@ -36,11 +37,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def _openai(server: ServerThread, **kwargs) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused",
-                         max_retries=0, timeout=60, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def served():
     server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, grace_period_s=10.0, limits=LIMITS))
@@ -50,7 +46,7 @@ def served():
 
 @pytest.fixture(scope="module")
 def client(served):
-    with _openai(served) as c:
+    with openai_client(served) as c:
         yield c
 
 
@@ -146,7 +142,7 @@ def test_chat_uses_the_models_template_as_transformers_renders_it(chat_served):
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     expected = chat_served.reference(ids, "pirate", 8, ignore_eos=True)
-    with _openai(chat_served) as c:
+    with openai_client(chat_served) as c:
         reply = c.chat.completions.create(model="pirate", messages=messages, max_tokens=8, temperature=0,
                                           logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
         assert reply.usage.prompt_tokens == len(ids)

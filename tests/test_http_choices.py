@@ -16,7 +16,7 @@ from service._proto import pb, pb_grpc
 from service.limits import RequestLimits
 from service.server import ServerConfig
 from tests.http_wire import post
-from tests.service_harness import ServerThread, make_request, shared_engine, wait_for
+from tests.service_harness import ServerThread, make_request, openai_client, shared_engine, wait_for
 
 PROMPT = "Once upon a time"
 LIMITS = RequestLimits(max_queue=2)  # with the engine's 8 sequences: 10 choices in flight at most
@@ -31,8 +31,7 @@ def served():
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as c:
+    with openai_client(served) as c:
         yield c
 
 

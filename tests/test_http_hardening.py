@@ -19,7 +19,7 @@ from service.security import SecurityConfig
 from service.server import ServerConfig
 from tests.checkpoints import write_chat_template
 from tests.http_wire import metric_value, metrics, post
-from tests.service_harness import ServerThread, build_engine, demo_paths, shared_engine
+from tests.service_harness import ServerThread, build_engine, demo_paths, openai_client, shared_engine
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BODY = {"prompt": "Hi", "max_tokens": 2}
@@ -195,8 +195,7 @@ def test_405_says_which_methods_and_head_works_where_get_does(served):
 
 # --- param ----------------------------------------------------------------------------------------------------
 def test_refused_adapter_names_name_the_model_param(served):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="unused",
-                       max_retries=0, timeout=60) as client:
+    with openai_client(served) as client:
         with pytest.raises(openai.NotFoundError) as info:
             client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2)
         assert info.value.param == "model" and "adapter 'no-such-adapter' is not loaded" in info.value.message
@@ -224,8 +223,7 @@ def test_chat_template_errors_are_in_our_words(served):
                                      "handle (check each message's role and content, and chat_template_kwargs)"),
         ([user], {"probe": "x"}, "it failed on an operation its sandbox forbids"),
     ]
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="unused",
-                       max_retries=0, timeout=60) as client:
+    with openai_client(served) as client:
         for messages, kwargs, says in cases:
             with pytest.raises(openai.BadRequestError) as info:
                 client.chat.completions.create(model="pirate", messages=messages, max_tokens=2,

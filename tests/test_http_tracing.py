@@ -9,6 +9,7 @@ import pytest
 
 from service.server import ServerConfig
 from service.tools.otlp_receiver import GrpcReceiver
+from tests.service_harness import openai_client
 from tests.test_tracing import (
     BASE_ENV,
     PROMPT,
@@ -30,8 +31,7 @@ def stack() -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def client(stack) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{stack.served.server.http_port}/v1", api_key="unused",
-                       max_retries=0) as c:
+    with openai_client(stack.served, timeout=openai.NOT_GIVEN) as c:
         yield c
 
 

@@ -25,7 +25,7 @@ from service.runner.request import ModelInfo
 from service.server import ServerConfig
 from tests.checkpoints import load_reference
 from tests.http_wire import post
-from tests.service_harness import ServerThread, demo_paths, make_request, shared_engine
+from tests.service_harness import ServerThread, demo_paths, make_request, openai_client, shared_engine
 
 PROMPT = "Once upon a time"
 N = 12
@@ -40,8 +40,7 @@ def served():
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as c:
+    with openai_client(served) as c:
         yield c
 
 

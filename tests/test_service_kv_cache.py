@@ -11,14 +11,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import pytest
 
 from service.cli import byte_size, serve_parser
 from service.server import ServerConfig
 from tests.checkpoints import write_chat_template
 from tests.http_wire import metric_value, metrics, post
-from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, wait_for
+from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, openai_client, wait_for
 
 PICKER = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "inference-gateway" / "inferencepool.yaml"
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -38,8 +37,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="unused",
-                       max_retries=0, timeout=60) as c:
+    with openai_client(served) as c:
         yield c
 
 

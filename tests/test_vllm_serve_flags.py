@@ -9,12 +9,12 @@ import grpc
 import openai
 import pytest
 
-from service._proto import pb, pb_grpc
+from service._proto import pb_grpc
 from service.cli import _engine_config, _server_config, serve_parser
 from service.cli_vllm import LoraModule, check_base_models
 from service.server import LogConfig, ServerConfig
 from tests.http_wire import post
-from tests.service_harness import ServerThread, make_request, shared_engine, wait_for
+from tests.service_harness import ServerThread, make_request, openai_client, shared_engine, wait_for
 
 PROMPT = "Once upon a time"
 WAIT_S = 60  # generous bound on waiting for a log line: it comes as soon as the server gets to it
@@ -84,8 +84,7 @@ def served():
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="unused",
-                       max_retries=0, timeout=60) as c:
+    with openai_client(served) as c:
         yield c
 
 
