@@ -1,11 +1,13 @@
-"""The engine on a GPU: decode throughput with and without CUDA graphs, base / one adapter / 8 distinct adapters,
-against transformers + peft's `generate(adapter_names=...)` on the same weights; batch init as a share of a step.
+"""The engine on a GPU: decode throughput per LoRA kernel (EngineConfig.lora_kernel: grouped, indexed) with CUDA
+graphs, base / one adapter / 8 distinct adapters, against transformers + peft's `generate(adapter_names=...)` on
+the same weights; the same steps without graphs (--no-graphs); batch init as a share of a step.
 
 A Llama-3.2-1B-like random model (benchmarks.common.LLAMA_1B) in bfloat16, rank-16 adapters on all seven
 projections. Every configuration is measured in turn, round after round (benchmarks.common.interleaved), and the
 ratios come from one run.
 
-    python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64]
+    python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64] [--kernels grouped indexed]
+        [--no-graphs] [--peft-batches 8 32]
 """
 from __future__ import annotations
 
@@ -31,14 +33,15 @@ KINDS = {"base": lambda names: [None], "1 adapter": lambda names: names[:1], "8 
 PROMPT_LEN = 64
 
 
-def build_engine(model: Path, adapters: dict[str, Path], max_batch: int, cuda_graphs: bool) -> Engine:
-    engine = Engine(EngineConfig(model=str(model), device="cuda", dtype="bfloat16", max_batch_size=max_batch,
+def build_engine(model: Path, adapters: dict[str, Path], max_batch: int, cuda_graphs: bool, kernel: str) -> Engine:
+    engine = Engine(EngineConfig(model=str(model), device="cuda", dtype="bfloat16", max_num_seqs=max_batch,
                                  max_seq_len=512, max_num_batched_tokens=2048, max_loras_per_batch=8,
-                                 max_lora_rank=16, cuda_graphs=cuda_graphs))
+                                 max_lora_rank=16, cuda_graphs=cuda_graphs, lora_kernel=kernel))
     register_adapters(engine, adapters)
     t0 = time.perf_counter()
     engine.warmup()
-    print(f"engine (CUDA graphs {'on' if cuda_graphs else 'off'}): warm-up {time.perf_counter() - t0:.1f}s")
+    print(f"engine ({kernel} LoRA, CUDA graphs {'on' if cuda_graphs else 'off'}): warm-up "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
     return engine
 
 
@@ -79,36 +82,46 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--kernels", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])
+    p.add_argument("--no-graphs", action="store_true", help="also the first kernel's steps without CUDA graphs")
+    p.add_argument("--peft-batches", type=int, nargs="*", default=None, help="batches peft runs at (default: all)")
     p.add_argument("--no-peft", action="store_true")
+    p.add_argument("--profile-init", action="store_true",
+                   help="then profile the host side of 20 decode steps (largest batch, 8 adapters, first kernel)")
     args = p.parse_args()
     assert torch.cuda.is_available(), "benchmarks.cuda needs a CUDA GPU"
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
     model = random_checkpoint("llama-1b-shaped-bf16", LLAMA_1B, torch.bfloat16)
-    print(f"checkpoint {model} ready in {time.perf_counter() - t0:.1f}s")
+    print(f"checkpoint {model} ready in {time.perf_counter() - t0:.1f}s", flush=True)
     names = [f"a{i}" for i in range(8)]
+    peft_batches = args.batches if args.peft_batches is None else args.peft_batches
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_lora_adapters(model, Path(tmp), names)
         max_batch = max(args.batches)
-        engines = {graphs: build_engine(model, adapters, max_batch, graphs) for graphs in (True, False)}
-        peft = None if args.no_peft else peft_model(model, adapters)
+        configs = [(k, True) for k in args.kernels] + ([(args.kernels[0], False)] if args.no_graphs else [])
+        engines = {c: build_engine(model, adapters, max_batch, c[1], c[0]) for c in configs}
+        peft = None if args.no_peft or not peft_batches else peft_model(model, adapters)
         inits: dict[str, list[float]] = {}
 
-        def ours(graphs: bool, batch: int, kind: str):
+        def ours(config, batch: int, kind: str):
             def measure() -> float:
-                step, init = decode_step_time(engines[graphs], batch, KINDS[kind](names), args.steps, PROMPT_LEN)
-                inits.setdefault(f"{graphs} {batch} {kind}", []).append(init / step)
+                step, init = decode_step_time(engines[config], batch, KINDS[kind](names), args.steps, PROMPT_LEN)
+                inits.setdefault(f"{config} {batch} {kind}", []).append(init / step)
                 return step
             return measure
 
         measures = {}
         for batch in args.batches:
             for kind in KINDS:
-                for graphs in (True, False):
-                    measures[f"ours graphs={graphs} b{batch} {kind}"] = ours(graphs, batch, kind)
-                if peft is not None and kind != "1 adapter":
+                for config in configs:
+                    if kind == "base" and config[0] != args.kernels[0]:
+                        continue  # no LoRA work: the same step whatever the kernel
+                    measures[f"ours {config} b{batch} {kind}"] = ours(config, batch, kind)
+                if peft is not None and kind != "1 adapter" and batch in peft_batches:
                     measures[f"peft b{batch} {kind}"] = (
                         lambda b=batch, k=kind: peft_decode_seconds(peft, b, KINDS[k](names)))
+
         def printed(name, measure):
             def run() -> float:
                 value = measure()
@@ -117,23 +130,47 @@ def main() -> None:
             return run
 
         steps = interleaved({name: printed(name, m) for name, m in measures.items()}, args.rounds)
-    widths = (6, 11, 12, 12, 9, 10, 10, 12, 12)
-    print("\ndecode tok/s (median of rounds), bf16; init = batch init / step with graphs")
-    print(fmt_row(("batch", "kind", "graphs", "no graphs", "g / no-g", "peft", "ours / peft", "vs base", "init share"),
-                  widths))
+    widths = (6, 11, 9, 10, 9, 10, 10, 12, 9, 11)
+    print("\ndecode tok/s (median of rounds), bf16, CUDA graphs; init = batch init / step")
+    print(fmt_row(("batch", "kind", "kernel", "tok/s", "no graphs", "peft", "ours/peft", "vs base", "init",
+                   "init ms"), widths))
+    first = (args.kernels[0], True)
     for batch in args.batches:
-        base = batch / steps[f"ours graphs=True b{batch} base"]
+        base = batch / steps[f"ours {first} b{batch} base"]
         for kind in KINDS:
-            on, off = batch / steps[f"ours graphs=True b{batch} {kind}"], batch / steps[f"ours graphs=False b{batch} {kind}"]
-            peft_key = f"peft b{batch} {kind}"
-            peft_tps = batch / steps[peft_key] if peft_key in steps else None
-            share = sorted(inits[f"True {batch} {kind}"])[len(inits[f"True {batch} {kind}"]) // 2]
-            print(fmt_row((batch, kind, f"{on:.0f}", f"{off:.0f}", f"{on / off:.2f}x",
-                           f"{peft_tps:.0f}" if peft_tps else "-", f"{on / peft_tps:.1f}x" if peft_tps else "-",
-                           f"{on / base:.2f}x", f"{100 * share:.2f}%"), widths))
-    for graphs, engine in engines.items():
+            for config in configs:
+                key = f"ours {config} b{batch} {kind}"
+                if key not in steps or not config[1]:
+                    continue
+                tps = batch / steps[key]
+                off_key = f"ours {(config[0], False)} b{batch} {kind}"
+                off = f"{batch / steps[off_key]:.0f}" if off_key in steps else "-"
+                peft_key = f"peft b{batch} {kind}"
+                peft_tps = batch / steps[peft_key] if peft_key in steps else None
+                shares = sorted(inits[f"{config} {batch} {kind}"])
+                share = shares[len(shares) // 2]
+                print(fmt_row((batch, kind, config[0] if kind != "base" else "-", f"{tps:.0f}", off,
+                               f"{peft_tps:.0f}" if peft_tps else "-", f"{tps / peft_tps:.1f}x" if peft_tps else "-",
+                               f"{tps / base:.2f}x", f"{100 * share:.2f}%",
+                               f"{1000 * share * steps[key]:.3f}"), widths))
+    for config, engine in engines.items():
         if engine._graphs is not None:
-            print(f"graphs captured: {engine._graphs.num_graphs}, replays {engine._graphs.replays}")
+            print(f"{config}: graphs captured {engine._graphs.num_graphs}, replays {engine._graphs.replays}")
+    if args.profile_init:
+        profile_host(engines[first], max_batch, names)
+
+
+def profile_host(engine: Engine, batch: int, names: list[str]) -> None:
+    """Where a decode step's host time goes (cProfile, cumulative), to see what batch init spends."""
+    import cProfile
+    import pstats
+
+    decode_step_time(engine, batch, names, 4, PROMPT_LEN)  # warm
+    profiler = cProfile.Profile()
+    profiler.enable()
+    decode_step_time(engine, batch, names, 20, PROMPT_LEN)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(r"lora_compile", 30)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ def table_width(keys: int, block_size: int) -> int:
 
 
 class BatchInit:
-    def __init__(self, config: EngineConfig, device: torch.device, vocab_size: int):
+    def __init__(self, config: EngineConfig, device: torch.device, vocab_size: int, overlap: bool = False):
+        """`overlap`: a decode step may be filled ahead, while the step before it runs (step_ahead): a second host
+        buffer to fill while the first one's copy may still be queued, and a device buffer of its own on the CPU."""
         self.budget = config.max_num_batched_tokens
         self.max_prompt_logits_rows = max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))
         self.block_size = config.block_size
@@ -97,10 +99,37 @@ class BatchInit:
         # sequence: decode index and position, sampled row; per prefill row: token index and position of each
         # column; block tables.
         capacity = 7 * max_tokens + 3 * rows + 2 * rows * max_tokens + 2 * rows * width + 64
-        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.device_buf = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
-        self.np = self.host.numpy()
+        self._hosts = [torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
+                       for _ in range(2 if overlap else 1)]
+        self._select(0)
+        self.device_buf = (self.host if device.type == "cpu" and not overlap
+                           else torch.zeros_like(self.host, device=device))
         self._decode_views: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}
+
+    def _select(self, buffer: int) -> None:
+        """Fill host buffer `buffer` from now on."""
+        self.buffer = buffer
+        self.host = self._hosts[buffer]
+        self.np = self.host.numpy()
+
+    def build_ahead(self, single: list[Planned], merged: bool, graph: GraphShape | None) -> tuple[StepInputs, int, int]:
+        """A decode step's inputs filled in the spare host buffer, all but the input ids (the tokens the running
+        step has not sampled yet), nothing copied: (inputs, buffer, entries), for take_ahead."""
+        current, spare = self.buffer, 1 - self.buffer
+        self._select(spare)
+        try:
+            inputs, total = self._build_decode(single, merged, graph, write_ids=False)
+        finally:
+            self._select(current)
+        return inputs, spare, total
+
+    def take_ahead(self, inputs: StepInputs, buffer: int, total: int) -> StepInputs:
+        """Complete a step built ahead: its input ids (each sequence's last token), then its one copy."""
+        self._select(buffer)
+        seqs = inputs.sampled
+        self.np[:len(seqs)] = np.fromiter((s.output_ids[-1] for s in seqs), np.int64, len(seqs))
+        self._copy(total)
+        return inputs
 
     def plan(self, seqs: SequenceLike[Sequence]) -> tuple[list[Planned], list[Planned]]:
         """Split the step's token budget: every sequence with one token left (its last, which samples) first,
@@ -141,7 +170,9 @@ class BatchInit:
         """The step's inputs. `merged`: the step runs on its adapter merged into the weights (no LoRA work).
         `graph`: a decode step padded to a CUDA graph's shape (cuda_graphs)."""
         if single and not chunks:
-            return self._build_decode(single, merged, graph)
+            inputs, total = self._build_decode(single, merged, graph)
+            self._copy(total)
+            return inputs
         assert graph is None, "only decode steps are padded"
         return self._build_general(single, chunks, merged)
 
@@ -161,9 +192,11 @@ class BatchInit:
             blocks = seq.block_table[:width]
             table[i, :len(blocks)] = blocks
 
-    def _build_decode(self, single: list[Planned], merged: bool, graph: GraphShape | None) -> StepInputs:
-        """A decode-only step, laid out as _build_general lays it out, with whole-column numpy writes. Padding rows
-        (up to graph.rows) and the dummy token decode token 0 at position 0 into the null block."""
+    def _build_decode(self, single: list[Planned], merged: bool, graph: GraphShape | None,
+                      write_ids: bool = True) -> tuple[StepInputs, int]:
+        """A decode-only step, laid out as _build_general lays it out, with whole-column numpy writes, and the
+        entries to copy. Padding rows (up to graph.rows) and the dummy token decode token 0 at position 0 into
+        the null block."""
         n = len(single)
         rows = graph.rows if graph is not None else n
         t, n_dec = rows + 1, max(2, rows)  # tokens (+ the dummy), decode rows (>= 2)
@@ -171,7 +204,6 @@ class BatchInit:
         seqs = [p.seq for p in single]
         pos = np.fromiter((p.start for p in single), np.int64, n)
         slots = np.fromiter((s.lora_slot for s in seqs), np.int64, n)
-        ids = np.fromiter((s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs), np.int64, n)
         rows_written = np.fromiter((p.seq.block_table[p.start // bs] * bs + p.start % bs for p in single),
                                    np.int64, n)
         keys = graph.keys if graph is not None else max(2, int(pos.max()) + 1)
@@ -181,7 +213,9 @@ class BatchInit:
         self._check(6 * t + 2 * n_dec + 12 + n_dec * width + n)
         b = self.np
         # input_ids, positions, slot_mapping: the real tokens, then padding and the dummy.
-        b[0:n], b[n:t] = ids, 0
+        if write_ids:
+            b[0:n] = np.fromiter((s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs), np.int64, n)
+        b[n:t] = 0
         b[t:t + n], b[t + n:2 * t] = pos, 0
         b[2 * t:2 * t + n], b[2 * t + n:3 * t] = rows_written, 0
         o = 3 * t
@@ -201,7 +235,6 @@ class BatchInit:
         table = self.device_buf[o:o + n_dec * width].view(n_dec, width)
         o += n_dec * width
         b[o:o + n] = np.arange(n)  # logits_idx: every decoding sequence samples
-        self._copy(o + n)
         v = self._decode_views.get((rows, lora))
         if v is None:  # every column but the decode block table and logits_idx, whose lengths vary
             lengths = (t, t, t, n_dec, n_dec, 4, 4, t, t if lora else 0, 4)
@@ -210,7 +243,7 @@ class BatchInit:
                                  self.arange[:keys], v["prefill_token_idx"], v["prefill_q_pos"],
                                  v["prefill_block_table"], self.arange[:PLACEHOLDER_KEYS], v["out_idx"])
         return StepInputs(v["input_ids"], v["positions"], attn, LoRABatch(v["weight_indices"] if lora else None),
-                          self.device_buf[o:o + n], seqs, len(adapters))
+                          self.device_buf[o:o + n], seqs, len(adapters)), o + n
 
     def _views(self, lengths: dict[str, int], prefill_rows: int, decode_rows: int) -> dict[str, torch.Tensor]:
         """The device buffer cut into the columns of `lengths`, back to back; matrices as (rows, width)."""

@@ -112,6 +112,31 @@ def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
             torch._dynamo.mark_dynamic(tensor, d)
 
 
+# The grouped kernel's tensor-core path (CUTLASS, sm90+) needs 16-byte-aligned rows: ranks in multiples of 8 bf16.
+GROUPED_RANK_MULTIPLE = 8
+
+
+def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_rank: int, compiled: bool) -> str:
+    """The LoRA form of the step (EngineConfig.lora_kernel), decided here and only here.
+
+    "auto": "grouped" on CUDA sm90+ in bfloat16 (grouped GEMMs over per-slot segments: each adapter's A and B read
+    once, on tensor cores; the indexed form gathers every token's weights in kernels without them, 0.56x of base at
+    batch 32 on an H100, docs/benchmarks.md); "indexed" everywhere else (on the CPU it beats GEMMs per adapter,
+    python -m benchmarks.lora_layer). "grouped" asked for explicitly also runs eagerly on the CPU in any dtype
+    (torch's own loop over groups: how the tests check it token for token against peft)."""
+    if requested == "indexed":
+        return "indexed"
+    viable = max_rank % GROUPED_RANK_MULTIPLE == 0 and (dtype == torch.bfloat16 or not compiled)
+    if requested == "grouped":
+        if not viable:
+            raise ValueError(f"lora_kernel 'grouped' needs max_lora_rank in multiples of {GROUPED_RANK_MULTIPLE} "
+                             f"(got {max_rank}) and, compiled, bfloat16 (got {dtype}): torch's grouped_mm compiles "
+                             "for bfloat16 only")
+        return "grouped"
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return "grouped" if viable and hopper and dtype == torch.bfloat16 else "indexed"
+
+
 def steady_state(enabled: bool):
     """Context for steps after warm-up."""
     return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()

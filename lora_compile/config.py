@@ -16,6 +16,8 @@ MergeMode = Literal["auto", "on", "off"]
 MERGE_MODES: tuple[str, ...] = get_args(MergeMode)
 KVGrowth = Literal["lazy", "reserve"]
 KV_GROWTH_MODES: tuple[str, ...] = get_args(KVGrowth)
+LoRAKernel = Literal["auto", "indexed", "grouped"]
+LORA_KERNELS: tuple[str, ...] = get_args(LoRAKernel)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -169,6 +171,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 256  # per step: decode tokens + prefill chunk tokens
     max_loras_per_batch: int = 8     # device slots = distinct adapters in a batch (slot 0, the base model, on top)
     max_lora_rank: int = 16
+    # How a step computes its adapters' LoRA deltas (compile_policy.lora_kernel decides "auto"): "indexed", each
+    # token reads its own slot's A and B inside one fused reduction (the CPU's form); "grouped", tokens sorted by
+    # slot and grouped GEMMs over the slots' segments, each adapter's weights read once, on tensor cores (CUDA bf16).
+    lora_kernel: LoRAKernel = "auto"
     # Host cache of adapters' weights, LRU; None: 1/8 of the memory available when the engine starts.
     max_cpu_lora_bytes: int | None = None
     # Served on demand: a request's adapter that is not registered is read from <dir>/<name>/ (also adapter roots).
@@ -183,6 +189,9 @@ class EngineConfig:
     # On CUDA with compile: decode steps replay CUDA graphs, one per (batch bucket, key bucket, with/without
     # adapters), captured on first use (lora_compile.cuda_graphs). Off: every step launches its kernels.
     cuda_graphs: bool = True
+    # Fill the next decode step's metadata on the host while this step runs on the device (lora_compile.step_ahead).
+    # None: on CUDA, where the device would otherwise wait for it; on the CPU the forward holds the cores anyway.
+    overlap_batch_init: bool | None = None
     # CPU float32: run base projections on oneDNN-packed weights (2-3x faster GEMMs at decode sizes; a second
     # copy of the weights). Ignored where packed_gemm is not available.
     prepack_weights: bool = True
@@ -231,5 +240,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.lora_kernel not in LORA_KERNELS:
+            raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {self.lora_kernel!r}")
         if self.kv_growth not in KV_GROWTH_MODES:
             raise ValueError(f"kv_growth must be one of {', '.join(KV_GROWTH_MODES)}, got {self.kv_growth!r}")

@@ -30,6 +30,7 @@ from .model import CausalLM
 from .prompt_logprobs import PromptLogprobs
 from .sampling import NON_FINITE, SamplingParams, sample
 from .sequence import Sequence
+from .step_ahead import StepAhead
 from .tokenizer import Tokenizer
 
 
@@ -78,7 +79,10 @@ class Engine:
         self.model_name = model_dir.name
         # With compile: the Inductor cache directory, which configure sets for the process (TORCHINDUCTOR_CACHE_DIR).
         self.inductor_cache_dir = compile_policy.configure(config.inductor_cache_dir) if config.compile else None
-        self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device)
+        self.lora_kernel = compile_policy.lora_kernel(config.lora_kernel, self.device, self.dtype, config.max_lora_rank,
+                                                      config.compile)
+        self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
+                              self.lora_kernel)
         with SafetensorsCheckpoint(model_dir) as ckpt:
             self.model.load_weights(ckpt)
         if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
@@ -103,7 +107,12 @@ class Engine:
         self._merger = build_merger(self.model, config.merge_lone_adapter,
                                     self.weights_packed and self.dtype == torch.float32,
                                     self.adapters.slot_generation, config.merge_after_steps)
-        self.batch_init = BatchInit(config, self.device, mc.vocab_size)
+        overlap = config.overlap_batch_init if config.overlap_batch_init is not None else self.device.type == "cuda"
+        self.batch_init = BatchInit(config, self.device, mc.vocab_size, overlap=overlap and self._merger is None)
+        # (merging decides per step, on the CPU: no build ahead there)
+        self.ahead = (StepAhead(self.batch_init, self.kv_cache, lambda single: self._graph_shape(single, []),
+                                config.max_seq_len) if overlap and self._merger is None else None)
+        self._epoch = 0  # admissions and releases so far: a step built ahead is for the sequences of its epoch
         self._rng = random.Random(config.seed)
         self._compiled = config.compile
         self._warmed_up = False
@@ -171,6 +180,7 @@ class Engine:
         seq.lora_slot, seq.adapter_loaded = slot, loaded
         seq.admitted_at = next(self._admission_order)
         self._admitted[id(seq)] = seq
+        self._epoch += 1
         if not seq.sampling.greedy and seq.generator is None:  # kept across preemption: the same random stream
             seed = seq.sampling.seed if seq.sampling.seed is not None else self._rng.getrandbits(63)
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -193,6 +203,7 @@ class Engine:
         """Free the sequence's KV blocks (cached ones stay findable) and unpin its adapter; idempotent."""
         if self._admitted.pop(id(seq), None) is None:
             return
+        self._epoch += 1
         self.kv_cache.free(seq)
         self.adapters.release(seq.lora_slot)
         seq.lora_slot = 0
@@ -238,13 +249,18 @@ class Engine:
     def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
         """Run one forward over `seqs` and give each sequence that completed its tokens one new token."""
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        seqs, preempted = self._grow(seqs)
-        if not seqs:  # (only when one sequence alone cannot grow: it waits to be admitted again)
-            return StepOutput([], [], preempted=[q.seq_id for q in preempted], start_ns=start_ns)
-        single, chunks = self.batch_init.plan(seqs)
-        merged, merge_s = self._select_weights(single, chunks)
-        graph = self._graph_shape(single, chunks)
-        inputs = self.batch_init.build(single, chunks, merged, graph)
+        ahead = self.ahead.take(seqs, self._epoch) if self.ahead is not None else None
+        if ahead is not None:  # built while the last step ran (step_ahead): its blocks are taken, its ids written
+            single, chunks, preempted, merged, merge_s, graph = ahead.planned, [], [], ahead.merged, 0.0, ahead.graph
+            inputs = ahead.inputs
+        else:
+            seqs, preempted = self._grow(seqs)
+            if not seqs:  # (only when one sequence alone cannot grow: it waits to be admitted again)
+                return StepOutput([], [], preempted=[q.seq_id for q in preempted], start_ns=start_ns)
+            single, chunks = self.batch_init.plan(seqs)
+            merged, merge_s = self._select_weights(single, chunks)
+            graph = self._graph_shape(single, chunks)
+            inputs = self.batch_init.build(single, chunks, merged, graph)
         sampled = inputs.sampled
         t1 = time.perf_counter()
         with compile_policy.steady_state(self._compiled and self._warmed_up):
@@ -254,6 +270,11 @@ class Engine:
                 h = self._graphs.run(inputs.lora.weight_indices is not None, graph, inputs.addresses(),
                                      lambda: self._hidden_states(inputs))
             logits = self.model.logits(h, inputs.logits_idx)
+        ahead_s = 0.0
+        if self.ahead is not None and single and not chunks and self._warmed_up:  # the device runs this step
+            t_ahead = time.perf_counter()
+            self.ahead.prepare(single, merged, self._epoch)
+            ahead_s = time.perf_counter() - t_ahead
         t2 = time.perf_counter()
         n = len(sampled)  # logits rows: the sampled ones, then those of prompt log-probabilities
         prompt = PromptLogprobs(logits[n:], inputs.prompt_targets, inputs.prompt_rows) if inputs.prompt_rows else None
@@ -284,6 +305,8 @@ class Engine:
                 if result.top_logprobs is not None:
                     seq.output_top_logprobs.append(result.top_logprobs[i])
             seq.finish_reason = self._finish_reason(seq, token)
+        if self.ahead is not None and self.ahead.pending is not None and any(s.finish_reason for s in sampled):
+            self.ahead.drop()  # built for sequences that continue
         t3 = time.perf_counter()
         kind = "mixed" if chunks and single else ("prefill" if chunks else "decode")
         ok = [i for i, t in enumerate(token_ids) if t != NON_FINITE]
@@ -293,7 +316,8 @@ class Engine:
             num_tokens=len(single) + sum(p.length for p in chunks), num_adapters=inputs.num_adapters, kind=kind,
             failed_adapters=failed, preempted=[q.seq_id for q in preempted],
             merged=merged, cuda_graph=graph is not None,
-            start_ns=start_ns, batch_init_s=t1 - t0 - merge_s, merge_s=merge_s, forward_s=t2 - t1, sample_s=t3 - t2,
+            start_ns=start_ns, batch_init_s=t1 - t0 - merge_s, merge_s=merge_s, forward_s=t2 - t1 - ahead_s,
+            sample_s=t3 - t2, batch_init_ahead_s=ahead_s,
         )
 
     def _select_weights(self, single: list[Planned], chunks: list[Planned]) -> tuple[bool, float]:

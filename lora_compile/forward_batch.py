@@ -11,10 +11,10 @@ from dataclasses import dataclass, field, fields
 import torch
 
 
-def dynamic(*dims: int):
+def dynamic(*dims: int, **kwargs):
     """A field whose dims `dims` vary between steps. Each is >= 2 by construction (a step has a dummy token, groups
     are padded to 2 rows), so 0/1 specialisation cannot add graphs after warm-up; every other dim is static."""
-    return field(metadata={"dynamic_dims": dims})
+    return field(metadata={"dynamic_dims": dims}, **kwargs)
 
 
 # Keys read by a decode-only step's prefill group, a padded placeholder; a real group reads more (padded to at
@@ -45,6 +45,22 @@ class LoRABatch:
     # (T,) each token's LoRA slot, its row in the layers' stacked LoRA weights: 0 for base-model tokens (zero rows),
     # device slots 1..max_loras_per_batch. None when no token of the step uses an adapter.
     weight_indices: torch.Tensor | None = dynamic(0)
+    # The grouped LoRA kernel's segments (layers._lora_delta_grouped), derived from weight_indices on the device
+    # once per step (segments()), never copied from the host; None for the other kernels.
+    token_order: torch.Tensor | None = dynamic(0, default=None)    # (T,) tokens sorted by slot, stable
+    token_inverse: torch.Tensor | None = dynamic(0, default=None)  # (T,) each token's row in that order
+    segment_offsets: torch.Tensor | None = None        # (slots,) int32: where each slot's segment ends
+
+    def segments(self, num_slots: int) -> LoRABatch:
+        """This batch with the grouped kernel's segments: device ops only (a sort and a count), so no host sync and
+        nothing a CUDA graph could not replay; offsets as torch's grouped_mm takes them (cumulative ends)."""
+        idx = self.weight_indices
+        order = torch.argsort(idx, stable=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(idx.shape[0], device=idx.device)
+        slots = torch.arange(num_slots, device=idx.device)
+        offsets = (idx[None, :] == slots[:, None]).sum(1).cumsum(0).to(torch.int32)
+        return LoRABatch(idx, order, inverse, offsets)
 
 
 @dataclass
@@ -58,26 +74,32 @@ class ForwardBatch:
 
     def flat(self) -> tuple[torch.Tensor | None, ...]:
         """Every tensor, in the one fixed order, for calls that take only plain arguments (the compiled stack)."""
-        return (self.cos, self.sin, *(getattr(self.attn, f.name) for f in fields(AttentionMetadata)),
-                self.lora.weight_indices)
+        return (self.cos, self.sin, *(getattr(self.attn, name) for name in _ATTN_NAMES),
+                *(getattr(self.lora, name) for name in _LORA_NAMES))
 
     @classmethod
     def from_flat(cls, flat: tuple[torch.Tensor | None, ...], compiled: bool = False) -> ForwardBatch:
-        cos, sin, *attn, weight_indices = flat
-        return cls(cos, sin, AttentionMetadata(*attn), LoRABatch(weight_indices), compiled)
+        cos, sin, *rest = flat
+        return cls(cos, sin, AttentionMetadata(*rest[:_NUM_ATTN]), LoRABatch(*rest[_NUM_ATTN:]), compiled)
 
     @staticmethod
     def flat_has_lora(flat: tuple[torch.Tensor | None, ...]) -> bool:
         """Whether a flat() batch carries adapters: which graph variant it runs."""
-        return flat[-1] is not None
+        return flat[_WEIGHT_INDICES] is not None
 
     def dynamic_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """Each tensor present with its step-varying dims, as declared on its field."""
         return [(t, dims) for t, dims in zip(self.flat(), _FLAT_DYNAMIC_DIMS) if t is not None]
 
 
+# Counted once here (the compiled stack calls from_flat, and Dynamo does not trace dataclasses.fields): the
+# attention fields, and where LoRABatch.weight_indices sits in flat(), after cos, sin and them.
+_ATTN_NAMES = tuple(f.name for f in fields(AttentionMetadata))
+_LORA_NAMES = tuple(f.name for f in fields(LoRABatch))
+_NUM_ATTN = len(_ATTN_NAMES)
+_WEIGHT_INDICES = 2 + _NUM_ATTN
 # The declared dynamic dims of each flat() entry, in flat() order: cos and sin, attention, LoRA.
 _FLAT_DYNAMIC_DIMS = tuple(
-    f.metadata["dynamic_dims"]
-    for f in (*fields(ForwardBatch), *fields(AttentionMetadata), *fields(LoRABatch)) if "dynamic_dims" in f.metadata
+    f.metadata.get("dynamic_dims", ())
+    for f in (*fields(ForwardBatch)[:2], *fields(AttentionMetadata), *fields(LoRABatch))
 )

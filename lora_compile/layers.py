@@ -140,10 +140,13 @@ class LoRALinear(nn.Module):
         return self.lora_a_stack[slot]
 
     def forward(self, x: torch.Tensor, lora: LoRABatch, compiled: bool = False) -> torch.Tensor:
-        """`compiled`: inside a compiled graph (ForwardBatch.compiled), where the indexed LoRA form is the cheap one."""
+        """`compiled`: inside a compiled graph (ForwardBatch.compiled), where the indexed LoRA form is the cheap one.
+        A batch with segments (the grouped kernel, compile_policy.lora_kernel) takes grouped GEMMs, compiled or not."""
         base = self._base(x)
         if lora.weight_indices is None:  # base-model-only step: its own graph, with no LoRA work at all
             return base
+        if lora.segment_offsets is not None:
+            return base + _lora_delta_grouped(self, x, lora)
         delta = _lora_delta_indexed if compiled else _lora_delta_segmented
         return base + delta(self, x, lora.weight_indices)
 
@@ -184,6 +187,21 @@ def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torc
     b = layer.lora_b[weight_indices]  # (T, r, out): indexing, fused into the reduction below
     deltas = [(shrink[:, i, :, None] * b[:, :, start:end]).sum(1) for i, (start, end) in enumerate(layer._slices)]
     return deltas[0] if c == 1 else torch.cat(deltas, dim=-1)
+
+
+def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+    """CUDA (bf16): tokens sorted by slot (lora.token_order) form one segment per slot, whose ends
+    (lora.segment_offsets) stay on the device; shrink and expand are grouped GEMMs over the segments, as SGLang's
+    csgmv and Punica's SGMV group them: each slot's A and B read once a step, on tensor cores, with no host sync.
+    Slot 0 (base-model tokens, zero rows) is a segment too: its product is exactly zero. torch's grouped_mm takes
+    a 2D left operand split by offsets and a 3D right operand, one matrix per group."""
+    r = layer.max_rank
+    xs = x[lora.token_order]
+    shrink = torch._grouped_mm(xs, layer.lora_a_stack.transpose(1, 2), offs=lora.segment_offsets)  # (T, c*r)
+    parts = [torch._grouped_mm(shrink[:, i * r:(i + 1) * r], layer.lora_b[:, :, start:end], offs=lora.segment_offsets)
+             for i, (start, end) in enumerate(layer._slices)]
+    delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return delta[lora.token_inverse]  # back to the step's token order (a gather Inductor fuses into the add)
 
 
 def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:

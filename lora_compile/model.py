@@ -234,21 +234,28 @@ def _decoder_layer(layer: DecoderLayer, x: torch.Tensor, *batch: torch.Tensor | 
 def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
     """Every decoder layer over h (batch: ForwardBatch.flat()). The compiled unit (compile_policy): the model is an
     argument, so what is compiled and saved serves any instance of the same shapes (precompile)."""
-    if not torch.compiler.is_compiling():  # the model's one question; the answer travels in ForwardBatch.compiled
-        fb = ForwardBatch.from_flat(batch)
+    compiling = torch.compiler.is_compiling()  # the model's one question; the answer travels in ForwardBatch.compiled
+    if compiling:
+        batch = compile_policy.unaliased(batch)
+    fb = ForwardBatch.from_flat(batch)
+    if model.lora_kernel == "grouped" and fb.lora.weight_indices is not None:
+        # once per step, not per layer: every layer's grouped GEMMs read the same segments
+        fb.lora = fb.lora.segments(model.layers[0].mlp.down_proj.max_loras + 1)
+    if not compiling:
         for layer in model.layers:
             h = layer.forward(h, fb)
         return h
-    batch = compile_policy.unaliased(batch)
+    batch = fb.flat()
     for layer in model.layers:
         h = _decoder_layer(layer, h, *batch)
     return h
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
         super().__init__()
         self.config = cfg
+        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed" or "grouped"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(

@@ -38,9 +38,12 @@ class StepOutput:
     merge_s: float = 0.0        # merging an adapter into the weights, when this step did (not in batch_init_s)
     forward_s: float = 0.0
     sample_s: float = 0.0
+    # Host time this step spent building the next one while the device ran it (step_ahead): not in forward_s, and
+    # off the critical path on a GPU; the next step's batch_init_s is then only its completion and copy.
+    batch_init_ahead_s: float = 0.0
 
     @property
     def end_ns(self) -> int:
         """Wall clock at the end of sampling (the phases back to back, as the step span lays them out)."""
         return (self.start_ns + int(self.batch_init_s * 1e9) + int(self.merge_s * 1e9) + int(self.forward_s * 1e9)
-                + int(self.sample_s * 1e9))
+                + int(self.batch_init_ahead_s * 1e9) + int(self.sample_s * 1e9))

@@ -33,10 +33,11 @@ def cuda_engine(model_dir, adapter_dirs, **overrides) -> Engine:
 def cuda_engines(models, adapters):
     cache: dict[tuple, Engine] = {}
 
-    def get(dtype: str = "float32", cuda_graphs: bool = True) -> Engine:
-        key = (dtype, cuda_graphs)
+    def get(dtype: str = "float32", cuda_graphs: bool = True, lora_kernel: str = "auto") -> Engine:
+        key = (dtype, cuda_graphs, lora_kernel)
         if key not in cache:
-            cache[key] = cuda_engine(models["llama"], adapters["llama"], dtype=dtype, cuda_graphs=cuda_graphs)
+            cache[key] = cuda_engine(models["llama"], adapters["llama"], dtype=dtype, cuda_graphs=cuda_graphs,
+                                     lora_kernel=lora_kernel)
         return cache[key]
 
     return get
@@ -102,13 +103,24 @@ def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> tuple[list[b
 
 
 @needs_cuda
-def test_cuda_bf16_agrees_with_transformers_bf16(cuda_engines, models, adapters):
+def test_cuda_kernel_policy(cuda_engines):
+    """On CUDA, bfloat16 takes the grouped LoRA kernel on sm90+ (compile_policy.lora_kernel); float32 the indexed
+    one (torch's grouped_mm compiles for bfloat16 only)."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert cuda_engines("bfloat16").lora_kernel == ("grouped" if hopper else "indexed")
+    assert cuda_engines("float32").lora_kernel == "indexed"
+
+
+@needs_cuda
+@pytest.mark.parametrize("lora_kernel", ["auto", "indexed"])
+def test_cuda_bf16_agrees_with_transformers_bf16(cuda_engines, models, adapters, lora_kernel):
     """bfloat16 (weights, LoRA slots, KV cache), a mixed batch, against transformers + peft in bf16 given the same
     prefixes: each sequence's first AGREE_FIRST tokens are the reference's top-1, and so are at least AGREE_SHARE
     of all positions. In bf16 the two round in different orders (fused QKV, LoRA scaling folded into B, float32
     accumulation inside fused kernels), so a position where the reference's own top two are within bf16
     resolution (NEAR_TIE) counts either way; the margins are printed."""
-    engine = cuda_engines("bfloat16")
+    engine = cuda_engines("bfloat16", lora_kernel=lora_kernel)
+    print(f"LoRA kernel {engine.lora_kernel}")
     assert engine.model.layers[0].self_attn.k_cache.dtype == torch.bfloat16
     tokens, _ = run_joining(engine, PROMPTS, adapters=MIXED, join_at=JOIN_AT)
     agree = []
@@ -199,14 +211,15 @@ def _htod_copies(prof) -> list[str]:
 
 
 @needs_cuda
-@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "no-graphs"])
-def test_cuda_one_host_to_device_copy_per_step(cuda_engines, cuda_graphs):
+@pytest.mark.parametrize("dtype,cuda_graphs", [("float32", True), ("bfloat16", True), ("bfloat16", False)],
+                         ids=["f32-graphs", "bf16-graphs", "bf16-no-graphs"])
+def test_cuda_one_host_to_device_copy_per_step(cuda_engines, dtype, cuda_graphs):
     """Every step (decode, prefill, mixed; base model, one adapter, several) copies its metadata to the device
     once, counted from the GPU's own memcpy records (torch.profiler); adapters are resident, so nothing else
-    copies."""
+    copies. bfloat16 runs the grouped kernel, whose segments are derived on the device, not copied."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = cuda_engines("float32", cuda_graphs)
+    engine = cuda_engines(dtype, cuda_graphs)
     sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
     mixes = [[None], ["qv8"], [None, "qv8", "all4", "mlp16rs", None, "qv8"], ["all4", "all4", None]]
     counts, kinds = [], set()
@@ -270,7 +283,7 @@ def test_decode_path_lays_out_what_the_general_path_does(models, adapters, names
         general = engine.batch_init._build_general(single, [], merged=False)
         expected = [None if t is None else t.clone() for t in (general.input_ids, general.positions,
                     *vars(general.attn).values(), general.lora.weight_indices, general.logits_idx)]
-        decode = engine.batch_init._build_decode(single, merged=False, graph=None)
+        decode, _ = engine.batch_init._build_decode(single, merged=False, graph=None)
         got = (decode.input_ids, decode.positions, *vars(decode.attn).values(), decode.lora.weight_indices,
                decode.logits_idx)
         for e, g in zip(expected, got, strict=True):
