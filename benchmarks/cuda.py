@@ -12,6 +12,7 @@ ratios come from one run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -27,8 +28,9 @@ from benchmarks.common import (
     register_adapters,
     write_lora_adapters,
 )
-from lora_compile import Engine, EngineConfig
+from lora_compile import Engine, EngineConfig, SamplingParams, Sequence
 
+_PREFILL_CALLS = itertools.count()
 KINDS = {"base": lambda names: [None], "1 adapter": lambda names: names[:1], "8 adapters": lambda names: names[:8]}
 PROMPT_LEN = 64
 
@@ -82,7 +84,10 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--kernels", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])
+    p.add_argument("--kernels", nargs="+", default=["grouped", "masked", "indexed"],
+                   choices=["grouped", "masked", "indexed"])
+    p.add_argument("--prefill", type=int, nargs=2, default=[8, 256], metavar=("SEQS", "TOKENS"),
+                   help="also one prefill step of SEQS prompts of TOKENS tokens, base and 8 adapters (default 8 256)")
     p.add_argument("--no-graphs", action="store_true", help="also the first kernel's steps without CUDA graphs")
     p.add_argument("--peft-batches", type=int, nargs="*", default=None, help="batches peft runs at (default: all)")
     p.add_argument("--no-peft", action="store_true")
@@ -112,6 +117,13 @@ def main() -> None:
             return measure
 
         measures = {}
+        prefill_seqs, prefill_len = args.prefill
+        for config in configs:
+            for kind in ("base", "8 adapters"):
+                if kind == "base" and config[0] != args.kernels[0]:
+                    continue
+                measures[f"prefill {config} {kind}"] = (
+                    lambda c=config, k=kind: prefill_step_time(engines[c], prefill_seqs, KINDS[k](names), prefill_len))
         for batch in args.batches:
             for kind in KINDS:
                 for config in configs:
@@ -153,11 +165,36 @@ def main() -> None:
                                f"{peft_tps:.0f}" if peft_tps else "-", f"{tps / peft_tps:.1f}x" if peft_tps else "-",
                                f"{tps / base:.2f}x", f"{100 * share:.2f}%",
                                f"{1000 * share * steps[key]:.3f}"), widths))
+    print(f"\nprefill step, {prefill_seqs} prompts of {prefill_len} tokens (median of rounds):")
+    base_prefill = steps[f"prefill {first} base"]
+    for name, value in steps.items():
+        if name.startswith("prefill"):
+            print(f"  {name[8:]}: {1000 * value:.2f} ms ({value / base_prefill:.2f}x base)")
     for config, engine in engines.items():
         if engine._graphs is not None:
             print(f"{config}: graphs captured {engine._graphs.num_graphs}, replays {engine._graphs.replays}")
     if args.profile_init:
         profile_host(engines[first], max_batch, names)
+
+
+def prefill_step_time(engine: Engine, seqs: int, adapters: list[str | None], prompt_len: int) -> float:
+    """Seconds of one step that prefills `seqs` prompts of `prompt_len` tokens at once (prompts never seen before:
+    no prefix cache hit), read back."""
+    call = next(_PREFILL_CALLS)
+    run = [Sequence(10_000 + i, [(11 * i + 5 * j + 97 * call) % 700 + 3 for j in range(prompt_len)],
+                    SamplingParams(max_new_tokens=2, ignore_eos=True), adapters[i % len(adapters)]) for i in range(seqs)]
+    for s in run:
+        assert engine.try_admit(s)
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = engine.step(run)
+        torch.cuda.synchronize()
+        assert out.num_tokens == seqs * prompt_len, "the prompts did not fit one step"
+        return time.perf_counter() - t0
+    finally:
+        for s in run:
+            engine.release(s)
 
 
 def profile_host(engine: Engine, batch: int, names: list[str]) -> None:

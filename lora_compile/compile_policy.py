@@ -124,8 +124,8 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
     batch 32 on an H100, docs/benchmarks.md); "indexed" everywhere else (on the CPU it beats GEMMs per adapter,
     python -m benchmarks.lora_layer). "grouped" asked for explicitly also runs eagerly on the CPU in any dtype
     (torch's own loop over groups: how the tests check it token for token against peft)."""
-    if requested == "indexed":
-        return "indexed"
+    if requested in ("indexed", "masked"):  # plain reductions or GEMMs: any device and dtype
+        return requested
     viable = max_rank % GROUPED_RANK_MULTIPLE == 0 and (dtype == torch.bfloat16 or not compiled)
     if requested == "grouped":
         if not viable:

@@ -16,7 +16,7 @@ MergeMode = Literal["auto", "on", "off"]
 MERGE_MODES: tuple[str, ...] = get_args(MergeMode)
 KVGrowth = Literal["lazy", "reserve"]
 KV_GROWTH_MODES: tuple[str, ...] = get_args(KVGrowth)
-LoRAKernel = Literal["auto", "indexed", "grouped"]
+LoRAKernel = Literal["auto", "indexed", "grouped", "masked"]
 LORA_KERNELS: tuple[str, ...] = get_args(LoRAKernel)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -173,7 +173,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     # How a step computes its adapters' LoRA deltas (compile_policy.lora_kernel decides "auto"): "indexed", each
     # token reads its own slot's A and B inside one fused reduction (the CPU's form); "grouped", tokens sorted by
-    # slot and grouped GEMMs over the slots' segments, each adapter's weights read once, on tensor cores (CUDA bf16).
+    # slot and grouped GEMMs over the slots' segments (CUDA bf16); "masked", two plain GEMMs over every slot with
+    # each token's own slot kept. The last two read each adapter's weights once, on tensor cores.
     lora_kernel: LoRAKernel = "auto"
     # Host cache of adapters' weights, LRU; None: 1/8 of the memory available when the engine starts.
     max_cpu_lora_bytes: int | None = None

@@ -45,20 +45,24 @@ class LoRABatch:
     # (T,) each token's LoRA slot, its row in the layers' stacked LoRA weights: 0 for base-model tokens (zero rows),
     # device slots 1..max_loras_per_batch. None when no token of the step uses an adapter.
     weight_indices: torch.Tensor | None = dynamic(0)
-    # The grouped LoRA kernel's segments (layers._lora_delta_grouped), derived from weight_indices on the device
-    # once per step (segments()), never copied from the host; None for the other kernels.
+    # Derived from weight_indices on the device once per step (derive()), never copied from the host; None unless
+    # the model's LoRA kernel reads them (layers._lora_delta_grouped, _lora_delta_masked).
     token_order: torch.Tensor | None = dynamic(0, default=None)    # (T,) tokens sorted by slot, stable
     token_inverse: torch.Tensor | None = dynamic(0, default=None)  # (T,) each token's row in that order
-    segment_offsets: torch.Tensor | None = None        # (slots,) int32: where each slot's segment ends
+    segment_offsets: torch.Tensor | None = None                    # (slots,) int32: where each slot's segment ends
+    slot_mask: torch.Tensor | None = dynamic(0, default=None)      # (T, slots) bool: each token's own slot
 
-    def segments(self, num_slots: int) -> LoRABatch:
-        """This batch with the grouped kernel's segments: device ops only (a sort and a count), so no host sync and
-        nothing a CUDA graph could not replay; offsets as torch's grouped_mm takes them (cumulative ends)."""
+    def derive(self, kernel: str, num_slots: int) -> LoRABatch:
+        """This batch with what LoRA kernel `kernel` reads: device ops only (no host sync, nothing a CUDA graph
+        could not replay). "grouped": a stable sort by slot and each slot's segment end (cumulative, as torch's
+        grouped_mm takes offsets); "masked": each token's slot as a mask over all slots."""
         idx = self.weight_indices
+        slots = torch.arange(num_slots, device=idx.device)
+        if kernel == "masked":
+            return LoRABatch(idx, slot_mask=idx[:, None] == slots[None, :])
         order = torch.argsort(idx, stable=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(idx.shape[0], device=idx.device)
-        slots = torch.arange(num_slots, device=idx.device)
         offsets = (idx[None, :] == slots[:, None]).sum(1).cumsum(0).to(torch.int32)
         return LoRABatch(idx, order, inverse, offsets)
 

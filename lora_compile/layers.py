@@ -64,9 +64,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LoRALinear(nn.Module):
     """A linear layer (optionally several fused ones: qkv, gate_up) plus stacked LoRA slots.
 
-    `lora_a_stack[s]` is device slot s's A, (c·max_rank, in), and `lora_b[s]` its B transposed (max_rank, out),
-    scaling folded in; slot 0 is the base model: its rows stay zero. Ranks below max_rank are zero-padded.
-    Everything constant is a buffer created here: nothing is rebuilt per batch.
+    `lora_a_stack[s]` is device slot s's A, (c·max_rank, in), and `lora_b[s]` its B transposed, scaling folded in:
+    (max_rank, out), every slice's B in its own columns, or with `block_diagonal_b` (c·max_rank, out), slice i's B in
+    rows i·max_rank.. and its own columns, zeros elsewhere, so that one GEMM expands every slice at once (the CUDA
+    kernels; c× the bytes, so the CPU keeps the compact form). Slot 0 is the base model: its rows stay zero. Ranks
+    below max_rank are zero-padded. Everything constant is a buffer created here: nothing is rebuilt per batch.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class LoRALinear(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        block_diagonal_b: bool = False,
     ):
         super().__init__()
         self.output_sizes = tuple(output_sizes)  # the one table every slice of this layer derives from
@@ -104,13 +107,20 @@ class LoRALinear(nn.Module):
         self._slices = tuple(zip(bounds[:-1], bounds[1:]))  # what split(), the slot loaders and LoRA paths slice by
         # B transposed, output dim innermost: the expand then vectorises over outputs and sums over the rank
         # with no horizontal reduction per output (python -m benchmarks.lora_layer).
+        self.block_diagonal_b = block_diagonal_b
+        b_rows = self.slot_rows if block_diagonal_b else max_rank
         self.register_buffer(
-            "lora_b", torch.zeros(n_stored, max_rank, out_features, dtype=dtype, device=device), persistent=False
+            "lora_b", torch.zeros(n_stored, b_rows, out_features, dtype=dtype, device=device), persistent=False
         )
         self.max_loras = max_loras
         # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading;
         # while a lone adapter runs merged (lora_merge), weight_packed is that adapter's merged pack.
         self.register_buffer("weight_packed", None, persistent=False)
+
+    def b_rows(self, i: int) -> slice:
+        """The rows of a slot's B that hold slice i's (its columns are self._slices[i])."""
+        start = i * self.max_rank if self.block_diagonal_b else 0
+        return slice(start, start + self.max_rank)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fused output `y` cut into its packed modules' outputs (views)."""
@@ -130,7 +140,7 @@ class LoRALinear(nn.Module):
         a_rows, b = self.lora_a(slot), self.lora_b[slot]
         merged = self.weight.clone()
         for i, (start, end) in enumerate(self._slices):
-            merged[start:end] += b[:, start:end].T @ a_rows[i * self.max_rank : (i + 1) * self.max_rank]
+            merged[start:end] += b[self.b_rows(i), start:end].T @ a_rows[i * self.max_rank : (i + 1) * self.max_rank]
         return merged
 
     def lora_a(self, slot: int) -> torch.Tensor:
@@ -147,6 +157,8 @@ class LoRALinear(nn.Module):
             return base
         if lora.segment_offsets is not None:
             return base + _lora_delta_grouped(self, x, lora)
+        if lora.slot_mask is not None:
+            return base + _lora_delta_masked(self, x, lora.slot_mask)
         delta = _lora_delta_indexed if compiled else _lora_delta_segmented
         return base + delta(self, x, lora.weight_indices)
 
@@ -168,7 +180,7 @@ class LoRALinear(nn.Module):
             r = a_part.shape[0]
             start, end = self._slices[i]
             a_rows[i * self.max_rank : i * self.max_rank + r].copy_(a_part)
-            b[:r, start:end].copy_(b_part.T)
+            b[self.b_rows(i).start : self.b_rows(i).start + r, start:end].copy_(b_part.T)
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
@@ -185,7 +197,8 @@ def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torc
     tokens, c, r = x.shape[0], len(layer.output_sizes), layer.max_rank
     shrink = (x[:, None, :] * layer.lora_a_stack[weight_indices]).sum(-1).view(tokens, c, r)
     b = layer.lora_b[weight_indices]  # (T, r, out): indexing, fused into the reduction below
-    deltas = [(shrink[:, i, :, None] * b[:, :, start:end]).sum(1) for i, (start, end) in enumerate(layer._slices)]
+    deltas = [(shrink[:, i, :, None] * b[:, layer.b_rows(i), start:end]).sum(1)
+              for i, (start, end) in enumerate(layer._slices)]
     return deltas[0] if c == 1 else torch.cat(deltas, dim=-1)
 
 
@@ -194,14 +207,25 @@ def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch) -> 
     (lora.segment_offsets) stay on the device; shrink and expand are grouped GEMMs over the segments, as SGLang's
     csgmv and Punica's SGMV group them: each slot's A and B read once a step, on tensor cores, with no host sync.
     Slot 0 (base-model tokens, zero rows) is a segment too: its product is exactly zero. torch's grouped_mm takes
-    a 2D left operand split by offsets and a 3D right operand, one matrix per group."""
-    r = layer.max_rank
+    a 2D left operand split by offsets and a 3D right operand, one matrix per group; B is block-diagonal
+    (block_diagonal_b), so one expand serves every slice."""
     xs = x[lora.token_order]
     shrink = torch._grouped_mm(xs, layer.lora_a_stack.transpose(1, 2), offs=lora.segment_offsets)  # (T, c*r)
-    parts = [torch._grouped_mm(shrink[:, i * r:(i + 1) * r], layer.lora_b[:, :, start:end], offs=lora.segment_offsets)
-             for i, (start, end) in enumerate(layer._slices)]
-    delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    delta = torch._grouped_mm(shrink, layer.lora_b, offs=lora.segment_offsets)  # (T, out)
     return delta[lora.token_inverse]  # back to the step's token order (a gather Inductor fuses into the add)
+
+
+def _lora_delta_masked(layer: LoRALinear, x: torch.Tensor, slot_mask: torch.Tensor) -> torch.Tensor:
+    """CUDA decode: every token through every slot's A in one GEMM (all slots' A rows side by side), each token's
+    own slot's shrink kept (slot_mask) and the rest replaced by zeros, then one GEMM through every slot's
+    block-diagonal B: two plain GEMMs on tensor cores reading each adapter's weights once, no sort, no gather.
+    The shrink's arithmetic grows with the slots (T x in x slots·c·r), which costs nothing at decode sizes but a
+    share of a long prefill's. Replaced, never multiplied by the mask: another slot's shrink may overflow, and
+    0 x inf would be NaN in this token's row."""
+    tokens, slots, rows = x.shape[0], layer.lora_a_stack.shape[0], layer.slot_rows
+    shrink = F.linear(x, layer.lora_a_stack.view(slots * rows, -1)).view(tokens, slots, rows)
+    shrink = torch.where(slot_mask[:, :, None], shrink, 0).view(tokens, slots * rows)
+    return shrink @ layer.lora_b.view(slots * rows, -1)
 
 
 def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
@@ -215,5 +239,6 @@ def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: to
         rows = (weight_indices == index).nonzero().squeeze(1)
         shrink = F.linear(x[rows], layer.lora_a_stack[index]).view(-1, c, r)
         b = layer.lora_b[index]
-        delta[rows] = torch.cat([shrink[:, i] @ b[:, start:end] for i, (start, end) in enumerate(layer._slices)], dim=-1)
+        delta[rows] = torch.cat([shrink[:, i] @ b[layer.b_rows(i), start:end] for i, (start, end) in enumerate(layer._slices)],
+                                dim=-1)
     return delta

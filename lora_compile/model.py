@@ -34,12 +34,14 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_rank: int, dtype, device) -> LoRALinear:
+def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_rank: int, dtype, device,
+                lora_kernel: str) -> LoRALinear:
     """The LoRALinear at `path` of PROJECTIONS: its modules' outputs side by side."""
     shapes = module_shapes(cfg)
     modules = PROJECTIONS[path]
     sizes = tuple(shapes[m][1] for m in modules)
-    return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device)
+    return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
+                      block_diagonal_b=lora_kernel in ("grouped", "masked"))
 
 
 def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -151,13 +153,14 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.sliding_window = cfg.sliding_window
-        self.qkv_proj = _projection(cfg, "self_attn.qkv_proj", cfg.attention_bias, max_loras, max_rank, dtype, device)
-        self.o_proj = _projection(cfg, "self_attn.o_proj", cfg.o_proj_bias, max_loras, max_rank, dtype, device)
+        lora = (max_loras, max_rank, dtype, device, lora_kernel)
+        self.qkv_proj = _projection(cfg, "self_attn.qkv_proj", cfg.attention_bias, *lora)
+        self.o_proj = _projection(cfg, "self_attn.o_proj", cfg.o_proj_bias, *lora)
         # Allocated by the engine once it knows its capacity (allocate_kv_cache).
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
@@ -195,10 +198,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
         super().__init__()
-        self.gate_up_proj = _projection(cfg, "mlp.gate_up_proj", cfg.mlp_bias, max_loras, max_rank, dtype, device)
-        self.down_proj = _projection(cfg, "mlp.down_proj", cfg.mlp_bias, max_loras, max_rank, dtype, device)
+        lora = (max_loras, max_rank, dtype, device, lora_kernel)
+        self.gate_up_proj = _projection(cfg, "mlp.gate_up_proj", cfg.mlp_bias, *lora)
+        self.down_proj = _projection(cfg, "mlp.down_proj", cfg.mlp_bias, *lora)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x, fb.lora, fb.compiled))
@@ -208,12 +212,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """The unit of compilation: one compiled region serves every layer (compile_policy)."""
 
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device)
+        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, max_loras, max_rank, dtype, device)
+        self.mlp = MLP(cfg, max_loras, max_rank, dtype, device, lora_kernel)
 
     def projections(self) -> list[tuple[LoRALinear, tuple[str, ...]]]:
         """Each projection with the checkpoint modules it packs (PROJECTIONS)."""
@@ -238,9 +242,9 @@ def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -
     if compiling:
         batch = compile_policy.unaliased(batch)
     fb = ForwardBatch.from_flat(batch)
-    if model.lora_kernel == "grouped" and fb.lora.weight_indices is not None:
-        # once per step, not per layer: every layer's grouped GEMMs read the same segments
-        fb.lora = fb.lora.segments(model.layers[0].mlp.down_proj.max_loras + 1)
+    if model.lora_kernel in ("grouped", "masked") and fb.lora.weight_indices is not None:
+        # once per step, not per layer: every layer's LoRA GEMMs read the same segments or mask
+        fb.lora = fb.lora.derive(model.lora_kernel, model.layers[0].mlp.down_proj.max_loras + 1)
     if not compiling:
         for layer in model.layers:
             h = layer.forward(h, fb)
@@ -255,11 +259,11 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
         super().__init__()
         self.config = cfg
-        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed" or "grouped"
+        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped" or "masked"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, max_loras, max_rank, dtype, device) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, max_loras, max_rank, dtype, device, lora_kernel) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (

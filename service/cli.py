@@ -118,8 +118,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="CUDA: launch every decode step's kernels instead of replaying CUDA graphs (captured per "
                         "batch and context-length bucket on first use)")
     p.add_argument("--lora-kernel", default=engine_defaults["lora_kernel"], choices=LORA_KERNELS,
-                   help="how a step computes LoRA deltas: grouped GEMMs over per-adapter segments (CUDA bf16) or "
-                        "per-token indexed reductions (the CPU's); auto picks by device and dtype (default: %(default)s)")
+                   help="how a step computes LoRA deltas: grouped GEMMs over per-adapter segments (CUDA bf16), GEMMs "
+                        "over every adapter slot with each token's own kept (masked), or per-token indexed reductions "
+                        "(the CPU's); auto picks by device and dtype (default: %(default)s)")
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
                         "memory; slower decode)")
