@@ -1,4 +1,4 @@
-"""The engine on a GPU: decode throughput per LoRA kernel (EngineConfig.lora_kernel: grouped, indexed) with CUDA
+"""The engine on a GPU: decode throughput per LoRA kernel (EngineConfig.lora_kernel: masked, grouped, indexed) with CUDA
 graphs, base / one adapter / 8 distinct adapters, against transformers + peft's `generate(adapter_names=...)` on
 the same weights; the same steps without graphs (--no-graphs); batch init as a share of a step.
 
@@ -6,7 +6,7 @@ A Llama-3.2-1B-like random model (benchmarks.common.LLAMA_1B) in bfloat16, rank-
 projections. Every configuration is measured in turn, round after round (benchmarks.common.interleaved), and the
 ratios come from one run.
 
-    python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64] [--kernels grouped indexed]
+    python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64] [--kernels masked grouped indexed]
         [--no-graphs] [--peft-batches 8 32]
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--kernels", nargs="+", default=["grouped", "masked", "indexed"],
+    p.add_argument("--kernels", nargs="+", default=["masked", "grouped", "indexed"],
                    choices=["grouped", "masked", "indexed"])
     p.add_argument("--prefill", type=int, nargs=2, default=[8, 256], metavar=("SEQS", "TOKENS"),
                    help="also one prefill step of SEQS prompts of TOKENS tokens, base and 8 adapters (default 8 256)")

@@ -308,6 +308,7 @@ class TelemetryObserver:
         t1 = t0 + int(step.batch_init_s * 1e9)
         t1m = t1 + int(step.merge_s * 1e9)
         t2 = t1m + int(step.forward_s * 1e9)
+        t2a = t2 + int(step.batch_init_ahead_s * 1e9)  # the next step's build, while the device ran this one
         t3 = step.end_ns
         links = [Link(rec.span.get_span_context()) for rec in requests if rec.span.is_recording()]
         span = self.tracer.start_span("engine.step", context=_ROOT, links=links, start_time=t0, attributes={
@@ -321,9 +322,11 @@ class TelemetryObserver:
         })
         if span.is_recording():
             ctx = trace.set_span_in_context(span)
-            children = [("lora.batch_init", t0, t1), ("model.forward", t1m, t2), ("sample", t2, t3)]
+            children = [("lora.batch_init", t0, t1), ("model.forward", t1m, t2), ("sample", t2a, t3)]
             if step.merge_s:  # this step merged its lone adapter into the weights first (lora_merge)
                 children.insert(1, ("lora.merge", t1, t1m))
+            if step.batch_init_ahead_s:  # (lora_compile.step_ahead)
+                children.insert(-1, ("lora.batch_init_ahead", t2, t2a))
             for name, start, end in children:
                 self.tracer.start_span(name, context=ctx, start_time=start).end(end_time=end)
         span.end(end_time=t3)
