@@ -104,27 +104,36 @@ def attend_decode(
     """attend() for one query per sequence, for the compiler; returns (B, H*D).
 
     Compiled, both products are reductions that read K and V straight from the cache through the block table
-    inside the loop:
-    nothing is gathered into a (B, Hkv, D, S) copy and no bmm is called (35-55 % less than gather + bmm). The
-    scores are laid out (B, Hkv, G, S), keys innermost: the softmax runs along contiguous keys, and the rotated
-    queries are computed once rather than once per key (19-33 % less than keys outermost; python -m
-    benchmarks.attention). Eager would materialise the broadcast products: it calls attend()."""
+    inside the loop: nothing is gathered into a (B, Hkv, D, S) copy and no bmm is called. On the CPU the scores
+    are laid out (B, S, Hkv, G), keys outermost: each key's cache row is computed once and its heads read
+    contiguously, the reductions vectorised along head_dim. With keys innermost, (B, Hkv, G, S), the layout that
+    won over the slot cache, Inductor's C++ vectorises along the keys and each lane's row goes through the block
+    table: 7-8x slower through paged blocks (6.1 against 0.9 ms a layer at batch 8, 200 keys; python -m
+    benchmarks.attention). On CUDA keys stay innermost (the form measured on an H100, docs/benchmarks.md).
+    Eager would materialise the broadcast products: it calls attend()."""
     batch, s = token_idx.shape[0], key_pos.shape[0]
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
-    qb = q[token_idx].view(batch, n_kv, group, 1, head_dim).float()
+    keys_dim = 1 if q.device.type == "cpu" else 3  # where the keys lie in the scores: (B, S, Hkv, G) or (B, Hkv, G, S)
     rows = kv_rows(block_table, key_pos, k_cache.shape[1])
-    # (B, Hkv, 1, S, D): indexing, fused into the reduction
-    k = k_cache.view(-1, n_kv, head_dim)[rows].permute(0, 2, 1, 3)[:, :, None]
-    scores = (qb * k.float()).sum(-1) * scale    # (B, Hkv, G, S)
+    k = k_cache.view(-1, n_kv, head_dim)[rows]  # (B, S, Hkv, D): indexing, fused into the reduction
     visible = key_pos[None, :] <= q_pos[:, None]  # (B, S)
     if sliding_window is not None:
         visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
     v = v_cache.view(-1, n_kv, head_dim)[rows].masked_fill(~visible[:, :, None, None], 0)  # stale: replaced
-    out = (probs[..., None] * v.permute(0, 2, 1, 3)[:, :, None]).sum(3)  # (B, Hkv, G, D)
+    if keys_dim == 1:
+        qb = q[token_idx].view(batch, 1, n_kv, group, head_dim).float()
+        scores = (qb * k[:, :, :, None, :].float()).sum(-1) * scale  # (B, S, Hkv, G)
+        scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=1).to(q.dtype)
+        out = (probs[..., None] * v[:, :, :, None, :]).sum(1)  # (B, Hkv, G, D)
+    else:
+        qb = q[token_idx].view(batch, n_kv, group, 1, head_dim).float()
+        scores = (qb * k.permute(0, 2, 1, 3)[:, :, None].float()).sum(-1) * scale  # (B, Hkv, G, S)
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = (probs[..., None] * v.permute(0, 2, 1, 3)[:, :, None]).sum(3)  # (B, Hkv, G, D)
     return out.reshape(batch, n_heads * head_dim)
 
 
