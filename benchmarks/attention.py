@@ -1,4 +1,4 @@
-"""Why compiled decode attention is written as two reductions, keys outermost, reading K/V through block tables:
+"""Why compiled decode attention is written as two reductions, block by block, reading K/V through block tables:
 one layer's decode attention, with the rotary embedding of its queries, compiled as the engine compiles it (sizes
 dynamic, traced at a small step), in the form the engine uses (lora_compile.model.attend_decode) and in the forms
 it replaced, side by side.
@@ -10,7 +10,8 @@ the slot cache before paging (33 slots x 256 positions, each sequence in its own
 pool of 16-token blocks (the same blocks, shuffled; each sequence's block table lists its). Each sequence reads
 `keys` cached positions. The bmm form gathers every sequence's K into a (B, Hkv, D, S) copy and V into
 (B, Hkv, S, D) before two bmm calls; the reduction forms read both inside Inductor's loops, with scores laid out
-(B, S, Hkv, G) (keys outermost, the engine's on the CPU) or (B, Hkv, G, S) (keys innermost, before; CUDA's). "slots" is the engine's
+(B, W, block_size, Hkv, G) (blocks outermost, the table read once per block: the engine's on the CPU),
+(B, S, Hkv, G) (keys outermost through a per-key row) or (B, Hkv, G, S) (keys innermost: before; CUDA's). "slots" is the engine's
 form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). Prints microseconds per call (medians of
 interleaved rounds).
 """
@@ -42,6 +43,18 @@ def keys_innermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, 
     return out.reshape(batch, HKV * GROUP * HEAD_DIM)
 
 
+def keys_outermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
+    """Keys outermost through a per-key cache row (kv_rows): scores (B, S, Hkv, G)."""
+    batch, s = token_idx.shape[0], key_pos.shape[0]
+    rows = kv_rows(block_table, key_pos, k_cache.shape[1])
+    qb = q[token_idx].view(batch, 1, HKV, GROUP, HEAD_DIM).float()
+    scores = (qb * k_cache.view(-1, HKV, HEAD_DIM)[rows][:, :, :, None, :].float()).sum(-1) * scale
+    visible = key_pos[None, :] <= q_pos[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible[:, :, None, None], float("-inf")), dim=1).to(q.dtype)
+    v = v_cache.view(-1, HKV, HEAD_DIM)[rows].masked_fill(~visible[:, :, None, None], 0)
+    return (probs[..., None] * v[:, :, :, None, :]).sum(1).reshape(batch, HKV * GROUP * HEAD_DIM)
+
+
 def slots(q, _k, _v, token_idx, q_pos, _table, key_pos, scale, window, slot_k, slot_v, kv_slots):
     """The engine's decode attention before paging: K/V read from each sequence's slot."""
     batch, s = token_idx.shape[0], key_pos.shape[0]
@@ -64,8 +77,9 @@ def bmm_form(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale,
     return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], block_table, key_pos, scale, window)
 
 
-FORMS = {"paged, keys outermost (engine, CPU)": engine_form, "slots, keys innermost (before paging)": slots,
-         "paged, keys innermost": keys_innermost, "paged, gather + bmm": bmm_form}
+FORMS = {"paged, blocks outermost (engine, CPU)": engine_form, "slots, keys innermost (before paging)": slots,
+         "paged, keys outermost, per-key rows": keys_outermost, "paged, keys innermost": keys_innermost,
+         "paged, gather + bmm": bmm_form}
 
 
 def make_inputs(batch: int, keys: int, gen: torch.Generator):
