@@ -60,3 +60,13 @@ def compiled_engines(models, adapters):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    """The official OpenAI client for the HTTP door of the module's `served` server (a module that serves
+    something else under that name defines its own `client`)."""
+    from tests.service_harness import openai_client  # (the engine-only tests need no server harness)
+
+    with openai_client(served) as c:
+        yield c

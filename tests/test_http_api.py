@@ -45,12 +45,6 @@ def served():
 
 
 @pytest.fixture(scope="module")
-def client(served):
-    with openai_client(served) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def chat_served(tmp_path_factory):
     """A copy of the demo model with a chat template (the demo model has none)."""
     model, adapters = demo_paths()

@@ -16,7 +16,7 @@ from service._proto import pb, pb_grpc
 from service.limits import RequestLimits
 from service.server import ServerConfig
 from tests.http_wire import post
-from tests.service_harness import ServerThread, make_request, openai_client, shared_engine, wait_for
+from tests.service_harness import ServerThread, make_request, shared_engine, wait_for
 
 PROMPT = "Once upon a time"
 LIMITS = RequestLimits(max_queue=2)  # with the engine's 8 sequences: 10 choices in flight at most
@@ -27,12 +27,6 @@ def served():
     server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, grace_period_s=10.0, limits=LIMITS))
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    with openai_client(served) as c:
-        yield c
 
 
 def _unique_ids(served: ServerThread, seed: int, blocks: int = 2) -> list[int]:

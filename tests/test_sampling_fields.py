@@ -25,7 +25,7 @@ from service.runner.request import ModelInfo
 from service.server import ServerConfig
 from tests.checkpoints import load_reference
 from tests.http_wire import post
-from tests.service_harness import ServerThread, demo_paths, make_request, openai_client, shared_engine
+from tests.service_harness import ServerThread, demo_paths, make_request, shared_engine
 
 PROMPT = "Once upon a time"
 N = 12
@@ -36,12 +36,6 @@ def served():
     server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0))
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    with openai_client(served) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from service.cli import byte_size, serve_parser
 from service.server import ServerConfig
 from tests.checkpoints import write_chat_template
 from tests.http_wire import metric_value, metrics, post
-from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, openai_client, wait_for
+from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, wait_for
 
 PICKER = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "inference-gateway" / "inferencepool.yaml"
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -33,12 +33,6 @@ def served(tmp_path_factory):
     server = ServerThread(build_engine(copy, {"pirate": adapters["pirate"]}), ServerConfig(port=0, http_port=0))
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    with openai_client(served) as c:
-        yield c
 
 
 def _metrics(server: ServerThread) -> dict[str, list]:

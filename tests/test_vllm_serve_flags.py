@@ -14,7 +14,7 @@ from service.cli import _engine_config, _server_config, serve_parser
 from service.cli_vllm import LoraModule, check_base_models
 from service.server import LogConfig, ServerConfig
 from tests.http_wire import post
-from tests.service_harness import ServerThread, make_request, openai_client, shared_engine, wait_for
+from tests.service_harness import ServerThread, make_request, shared_engine, wait_for
 
 PROMPT = "Once upon a time"
 WAIT_S = 60  # generous bound on waiting for a log line: it comes as soon as the server gets to it
@@ -82,12 +82,6 @@ def served():
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def client(served):
-    with openai_client(served) as c:
-        yield c
-
-
 def test_served_model_names_are_reported_and_accepted_on_both_doors(served, client):
     cards = client.models.list().data
     assert [m.id for m in cards] == ["served-demo", "demo-alias", "pirate", "poet", "scribe"]
@@ -109,6 +103,13 @@ def test_served_model_names_are_reported_and_accepted_on_both_doors(served, clie
     assert [t for c in chunks for t in c.token_ids] == list(base.token_ids)
 
 
+def _log_lines(caplog, logger: str, pattern: re.Pattern) -> list[dict]:
+    """Every record of `logger` so far, each matching `pattern` whole, as its named groups."""
+    found = [pattern.fullmatch(r.getMessage()) for r in caplog.records if r.name == logger]
+    assert all(found), [r.getMessage() for r in caplog.records]
+    return [m.groupdict() for m in found]
+
+
 ACCESS = re.compile(r'127\.0\.0\.1:\d+ "(?P<method>[A-Z]+) (?P<path>\S+) HTTP/1\.1" (?P<status>\d{3})'
                     r'(?: adapter=(?P<adapter>\S+) prompt_tokens=(?P<prompt>\d+)'
                     r' completion_tokens=(?P<completion>\d+))?'
@@ -119,9 +120,7 @@ def test_access_log_line_per_http_request(served, client, caplog):
     caplog.set_level(logging.INFO, logger="service.telemetry.access_log")
 
     def lines() -> list[dict]:
-        found = [ACCESS.fullmatch(r.getMessage()) for r in caplog.records if r.name == "service.telemetry.access_log"]
-        assert all(found), [r.getMessage() for r in caplog.records]
-        return [m.groupdict() for m in found]
+        return _log_lines(caplog, "service.telemetry.access_log", ACCESS)
 
     reply = client.completions.create(model="pirate", prompt=PROMPT, max_tokens=5, temperature=0)
     stream = client.completions.create(model="", prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
@@ -155,9 +154,7 @@ def test_stats_line_every_interval(served, client, caplog):
     caplog.set_level(logging.DEBUG, logger="service.telemetry.stats_logger")
 
     def lines() -> list[dict]:
-        found = [STATS.fullmatch(r.getMessage()) for r in caplog.records if r.name == "service.telemetry.stats_logger"]
-        assert all(found), [r.getMessage() for r in caplog.records]
-        return [m.groupdict() for m in found]
+        return _log_lines(caplog, "service.telemetry.stats_logger", STATS)
 
     wait_for(lambda: len(lines()) >= 2, WAIT_S, "2 stats lines")  # idle: DEBUG, as vLLM's
     # A prompt of several KV blocks, twice: the second finds the first's blocks in the prefix cache.
