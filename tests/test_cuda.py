@@ -150,7 +150,8 @@ def test_cuda_random_workload_never_recompiles_or_recaptures_for_a_new_mix(model
     seen = random_workload(engine, random.Random(0), 200, [None, *ADAPTER_SPECS, "extra"], max_prompt=60, max_new=40)
     assert len(seen) >= 4, f"the workload ran few batch sizes: {seen}"
     for n in sorted(set(range(1, engine.config.max_batch_size + 1)) - seen):  # every size, graphs too
-        engine.generate([[5, 6, 7]] * n, SamplingParams(max_new_tokens=8, ignore_eos=True), adapters=[None, "qv8"] * n)
+        engine.generate([[5, 6, 7]] * n, SamplingParams(max_new_tokens=8, ignore_eos=True),
+                        adapters=[("qv8" if i % 2 else None) for i in range(n)])
     assert engine._graphs.replays > 50 and engine._graphs.num_graphs <= 2 * len(engine._graphs.batch_sizes) * 3
     names = [*ADAPTER_SPECS, "extra"]  # four adapters, three slots: each mix below loads one into a slot
 
