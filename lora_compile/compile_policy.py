@@ -112,6 +112,9 @@ def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
             torch._dynamo.mark_dynamic(tensor, d)
 
 
+# The kernels that run as GEMMs over the slots: they read B block-diagonal (LoRALinear.block_diagonal_b) and what
+# LoRABatch.derive computes on the device each step.
+GEMM_KERNELS = ("grouped", "masked")
 # The grouped kernel's tensor-core path (CUTLASS, sm90+) needs 16-byte-aligned rows: ranks in multiples of 8 bf16.
 GROUPED_RANK_MULTIPLE = 8
 

@@ -108,10 +108,10 @@ class Engine:
                                     self.weights_packed and self.dtype == torch.float32,
                                     self.adapters.slot_generation, config.merge_after_steps)
         overlap = config.overlap_batch_init if config.overlap_batch_init is not None else self.device.type == "cuda"
-        self.batch_init = BatchInit(config, self.device, mc.vocab_size, overlap=overlap and self._merger is None)
-        # (merging decides per step, on the CPU: no build ahead there)
+        overlap = overlap and self._merger is None  # (merging decides per step, on the CPU: no build ahead there)
+        self.batch_init = BatchInit(config, self.device, mc.vocab_size, overlap=overlap)
         self.ahead = (StepAhead(self.batch_init, self.kv_cache, lambda single: self._graph_shape(single, []),
-                                config.max_seq_len) if overlap and self._merger is None else None)
+                                config.max_seq_len) if overlap else None)
         self._epoch = 0  # admissions and releases so far: a step built ahead is for the sequences of its epoch
         self._rng = random.Random(config.seed)
         self._compiled = config.compile

@@ -41,7 +41,7 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
     modules = PROJECTIONS[path]
     sizes = tuple(shapes[m][1] for m in modules)
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
-                      block_diagonal_b=lora_kernel in ("grouped", "masked"))
+                      block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS)
 
 
 def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -259,7 +259,7 @@ def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -
     if compiling:
         batch = compile_policy.unaliased(batch)
     fb = ForwardBatch.from_flat(batch)
-    if model.lora_kernel in ("grouped", "masked") and fb.lora.weight_indices is not None:
+    if model.lora_kernel in compile_policy.GEMM_KERNELS and fb.lora.weight_indices is not None:
         # once per step, not per layer: every layer's LoRA GEMMs read the same segments or mask
         fb.lora = fb.lora.derive(model.lora_kernel, model.layers[0].mlp.down_proj.max_loras + 1)
     if not compiling:
