@@ -3,17 +3,19 @@ one layer's decode attention, with the rotary embedding of its queries, compiled
 dynamic, traced at a small step), in the form the engine uses (lora_compile.model.attend_decode) and in the forms
 it replaced, side by side.
 
-    python -m benchmarks.attention [--batches 8 32] [--keys 80 200] [--rounds 7]
+    python -m benchmarks.attention [--batches 8 32] [--keys 80 200] [--rounds 7] [--device cuda --shape llama-1b]
 
-SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), float32. The same K/V held two ways: as
-the slot cache before paging (33 slots x 256 positions, each sequence in its own shuffled slot) and as a paged
+SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64) or Llama-3.2-1B's (32, 8, 64), float32 on
+the CPU and bfloat16 on CUDA. The same K/V held two ways: as the slot cache before paging (33 slots x 256 positions, each sequence in its own shuffled slot) and as a paged
 pool of 16-token blocks (the same blocks, shuffled; each sequence's block table lists its). Each sequence reads
 `keys` cached positions. The bmm form gathers every sequence's K into a (B, Hkv, D, S) copy and V into
 (B, Hkv, S, D) before two bmm calls; the reduction forms read both inside Inductor's loops, with scores laid out
-(B, W, block_size, Hkv, G) (blocks outermost, the table read once per block: the engine's on the CPU),
-(B, S, Hkv, G) (keys outermost through a per-key row) or (B, Hkv, G, S) (keys innermost: before; CUDA's). "slots" is the engine's
-form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). Prints microseconds per call (medians of
-interleaved rounds).
+(B, W, block_size, Hkv, G) (blocks outermost, the table read once per block: the engine's),
+(B, S, Hkv, G) (keys outermost through a per-key row) or (B, Hkv, G, S) (keys innermost: CUDA's before). "slots"
+is the engine's form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). Prints microseconds per call
+(medians of interleaved rounds). On CUDA these are eager calls of compiled functions, launch-bound at these sizes
+(170-260 us whatever the form on an H100): there the decode step with CUDA graphs decides (docs/benchmarks.md).
+Batches up to 32 (the slot cache's 33 slots).
 """
 from __future__ import annotations
 
@@ -27,20 +29,6 @@ from lora_compile.layers import apply_rotary
 from lora_compile.model import attend, attend_decode, kv_rows
 
 HKV, GROUP, HEAD_DIM, SLOTS, MAX_LEN, BLOCK = 3, 3, 64, 33, 256, 16
-
-
-def keys_innermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
-    """attend_decode's CPU form before: scores (B, Hkv, G, S), keys contiguous (the form CUDA keeps)."""
-    batch, s = token_idx.shape[0], key_pos.shape[0]
-    rows = kv_rows(block_table, key_pos, k_cache.shape[1])
-    qb = q[token_idx].view(batch, HKV, GROUP, 1, HEAD_DIM).float()
-    k = k_cache.view(-1, HKV, HEAD_DIM)[rows].permute(0, 2, 1, 3)[:, :, None]
-    scores = (qb * k.float()).sum(-1) * scale
-    visible = key_pos[None, :] <= q_pos[:, None]
-    probs = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1).to(q.dtype)
-    v = v_cache.view(-1, HKV, HEAD_DIM)[rows].masked_fill(~visible[:, :, None, None], 0)
-    out = (probs[..., None] * v.permute(0, 2, 1, 3)[:, :, None]).sum(3)
-    return out.reshape(batch, HKV * GROUP * HEAD_DIM)
 
 
 def keys_outermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
@@ -69,20 +57,35 @@ def slots(q, _k, _v, token_idx, q_pos, _table, key_pos, scale, window, slot_k, s
     return out.reshape(batch, HKV * GROUP * HEAD_DIM)
 
 
-def engine_form(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
-    return attend_decode(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window)
-
-
 def bmm_form(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
     return attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], block_table, key_pos, scale, window)
 
 
-FORMS = {"paged, blocks outermost (engine, CPU)": engine_form, "slots, keys innermost (before paging)": slots,
+def engine_form(*args):
+    return attend_decode(*args[:9])
+
+
+def keys_innermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
+    """attend_decode before: scores (B, Hkv, G, S), keys contiguous, each through its cache row."""
+    batch = token_idx.shape[0]
+    rows = kv_rows(block_table, key_pos, k_cache.shape[1])
+    qb = q[token_idx].view(batch, HKV, GROUP, 1, HEAD_DIM).float()
+    k = k_cache.view(-1, HKV, HEAD_DIM)[rows].permute(0, 2, 1, 3)[:, :, None]
+    scores = (qb * k.float()).sum(-1) * scale
+    visible = key_pos[None, :] <= q_pos[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1).to(q.dtype)
+    v = v_cache.view(-1, HKV, HEAD_DIM)[rows].masked_fill(~visible[:, :, None, None], 0)
+    out = (probs[..., None] * v.permute(0, 2, 1, 3)[:, :, None]).sum(3)
+    return out.reshape(batch, HKV * GROUP * HEAD_DIM)
+
+
+FORMS = {"paged, blocks outermost (engine)": engine_form, "slots, keys innermost (before paging)": slots,
          "paged, keys outermost, per-key rows": keys_outermost, "paged, keys innermost": keys_innermost,
          "paged, gather + bmm": bmm_form}
+SHAPES = {"smollm2-135m": (3, 3, 64), "llama-1b": (8, 4, 64)}  # (Hkv, group, head_dim)
 
 
-def make_inputs(batch: int, keys: int, gen: torch.Generator):
+def make_inputs(batch: int, keys: int, gen: torch.Generator, device: str = "cpu", dtype=torch.float32):
     slot_k = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
     slot_v = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
     per_slot = MAX_LEN // BLOCK
@@ -98,8 +101,9 @@ def make_inputs(batch: int, keys: int, gen: torch.Generator):
     width = max(2, -(-keys // BLOCK))
     block_table = perm.view(SLOTS, per_slot)[kv_slots, :width].contiguous()
     key_pos = torch.arange(keys)
-    args = (q, cos, sin, k_pool, v_pool, token_idx, q_pos, block_table, key_pos, HEAD_DIM ** -0.5, None,
-            slot_k, slot_v, kv_slots)
+    args = tuple(a.to(device, dtype if a.is_floating_point() else a.dtype) if isinstance(a, torch.Tensor) else a
+                 for a in (q, cos, sin, k_pool, v_pool, token_idx, q_pos, block_table, key_pos, HEAD_DIM ** -0.5, None,
+                           slot_k, slot_v, kv_slots))
     for i, dims in ((0, (0,)), (1, (0,)), (2, (0,)), (5, (0,)), (6, (0,)), (7, (0, 1)), (8, (0,)), (13, (0,))):
         for d in dims:  # the engine's step-varying dims
             torch._dynamo.mark_dynamic(args[i], d)
@@ -113,24 +117,26 @@ def with_rotary(form):
     return layer_attention
 
 
-def compiled_forms() -> dict:
+def compiled_forms(device: str, dtype) -> dict:
     """Each form compiled once, traced at a small step (3 sequences, 8 keys) as the engine's warm-up traces."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(1)
     forms = {}
     for name, form in FORMS.items():
         forms[name] = torch.compile(with_rotary(form), fullgraph=True)
-        forms[name](*make_inputs(3, 8, gen))
+        forms[name](*make_inputs(3, 8, gen, device, dtype))
     return forms
 
 
-def measure(forms: dict, batch: int, keys: int, rounds: int) -> None:
-    args = make_inputs(batch, keys, torch.Generator().manual_seed(0))
+def measure(forms: dict, batch: int, keys: int, rounds: int, device: str, dtype) -> None:
+    args = make_inputs(batch, keys, torch.Generator().manual_seed(0), device, dtype)
     reference = with_rotary(bmm_form)(*args)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for fn in forms.values():
-        torch.testing.assert_close(fn(*args), reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fn(*args), reference, atol=tol, rtol=tol)
     calls = 200
-    us = interleaved({name: per_call_us(lambda fn=fn: fn(*args), calls) for name, fn in forms.items()}, rounds)
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    us = interleaved({name: per_call_us(lambda fn=fn: fn(*args), calls, sync) for name, fn in forms.items()}, rounds)
     print(f"\nbatch {batch}, {keys} keys: us per call")
     for name, value in us.items():
         print(f"  {name:38s} {value:8.1f}")
@@ -141,14 +147,19 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     p.add_argument("--keys", type=int, nargs="+", default=[80, 200])
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bfloat16 K/V, as the engine")
+    p.add_argument("--shape", choices=list(SHAPES), default="smollm2-135m")
     args = p.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    global HKV, GROUP, HEAD_DIM
+    HKV, GROUP, HEAD_DIM = SHAPES[args.shape]
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    print(f"torch {torch.__version__}, {args.device}, {args.shape}, {torch.get_num_threads()} threads")
     compile_policy.configure(None)  # the engine's Inductor settings
     with torch.no_grad():
-        forms = compiled_forms()
+        forms = compiled_forms(args.device, dtype)
         for batch in args.batches:
             for keys in args.keys:
-                measure(forms, batch, keys, args.rounds)
+                measure(forms, batch, keys, args.rounds, args.device, dtype)
 
 
 if __name__ == "__main__":

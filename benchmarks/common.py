@@ -217,12 +217,17 @@ def interleaved(measures: dict[str, Callable[[], float]], rounds: int) -> dict[s
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def per_call_us(fn: Callable[[], object], calls: int) -> Callable[[], float]:
-    """A measure for `interleaved`: microseconds per call of `fn`, over `calls` calls."""
+def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], object] | None = None) -> Callable[[], float]:
+    """A measure for `interleaved`: microseconds per call of `fn`, over `calls` calls (`sync`: wait for a device
+    before and after them)."""
     def measure() -> float:
+        if sync:
+            sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        if sync:
+            sync()
         return (time.perf_counter() - t0) / calls * 1e6
     return measure
 

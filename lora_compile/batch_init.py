@@ -112,24 +112,22 @@ class BatchInit:
         self.host = self._hosts[buffer]
         self.np = self.host.numpy()
 
-    def build_ahead(self, single: list[Planned], merged: bool, graph: GraphShape | None) -> tuple[StepInputs, int, int]:
-        """A decode step's inputs filled in the spare host buffer, all but the input ids (the tokens the running
-        step has not sampled yet), nothing copied: (inputs, buffer, entries), for take_ahead."""
+    def build_ahead(self, single: list[Planned], merged: bool, graph: GraphShape | None) -> tuple[StepInputs, int]:
+        """A decode step's inputs filled in the spare host buffer and copied (the step's one copy, queued behind the
+        running step), all but the input ids: the running step's sampler writes those on the device
+        (`next_input_ids`). Returns (inputs, buffer), for take_ahead."""
         current, spare = self.buffer, 1 - self.buffer
         self._select(spare)
         try:
             inputs, total = self._build_decode(single, merged, graph, write_ids=False)
+            self._copy(total)
         finally:
             self._select(current)
-        return inputs, spare, total
+        return inputs, spare
 
-    def take_ahead(self, inputs: StepInputs, buffer: int, total: int) -> StepInputs:
-        """Complete a step built ahead: its input ids (each sequence's last token), then its one copy."""
+    def take_ahead(self, buffer: int) -> None:
+        """A step built ahead runs: its host buffer is the current one, the other is filled next."""
         self._select(buffer)
-        seqs = inputs.sampled
-        self.np[:len(seqs)] = np.fromiter((s.output_ids[-1] for s in seqs), np.int64, len(seqs))
-        self._copy(total)
-        return inputs
 
     def plan(self, seqs: SequenceLike[Sequence]) -> tuple[list[Planned], list[Planned]]:
         """Split the step's token budget: every sequence with one token left (its last, which samples) first,

@@ -279,7 +279,8 @@ class Engine:
         n = len(sampled)  # logits rows: the sampled ones, then those of prompt log-probabilities
         prompt = PromptLogprobs(logits[n:], inputs.prompt_targets, inputs.prompt_rows) if inputs.prompt_rows else None
         raw = logits[:n].clone() if return_logits else None  # (the sampler changes its rows in place)
-        result = sample(logits[:n], sampled) if sampled else None
+        next_ids = self.ahead.next_input_ids() if self.ahead is not None else None
+        result = sample(logits[:n], sampled, next_ids) if sampled else None
         if prompt is not None:
             prompt.record()
         for p in (*single, *chunks):

@@ -104,44 +104,32 @@ def attend_decode(
     """attend() for one query per sequence, for the compiler; returns (B, H*D).
 
     Compiled, both products are reductions that read K and V straight from the cache through the block table
-    inside the loop: nothing is gathered into a (B, Hkv, D, S) copy and no bmm is called.
-    - CPU: block by block, keys outermost: K viewed (B, W, block_size, Hkv, D) through the table, scores
-      (B, W, block_size, Hkv, G). The table is read once per block and each key's heads contiguously, the
-      reductions vectorised along head_dim; every key of the table's blocks is read, those past the query masked.
-      0.51 ms a layer at batch 8, 200 keys (1.8 at batch 32), against 0.43 (1.9) for the slot cache, 0.79 (3.8)
-      with keys outermost through a per-key row, and 6.0 (22.6) with keys innermost, where Inductor vectorised
-      along the keys and each lane went through the table (python -m benchmarks.attention).
-    - CUDA: keys innermost, (B, Hkv, G, S), per-key rows (the form measured on an H100, docs/benchmarks.md).
+    inside the loop: nothing is gathered into a (B, Hkv, D, S) copy and no bmm is called. Block by block, keys
+    outermost: K viewed (B, W, block_size, Hkv, D) through the table, scores (B, W, block_size, Hkv, G). The table
+    is read once per block and each key's heads contiguously; every key of the table's blocks is read, those past
+    the query masked (python -m benchmarks.attention; docs/benchmarks.md):
+    - CPU: 0.51 ms a layer at batch 8, 200 keys (1.8 at batch 32), against 0.43 (1.9) for the slot cache, 0.79
+      (3.8) with keys outermost through a per-key row, and 6.0 (22.6) with keys innermost, where Inductor
+      vectorised along the keys and each lane went through the table.
+    - CUDA (H100, CUDA graphs, 4 layers of the 1B model): 1.66 / 2.33 ms a step at batch 8 / 64 against 1.93 /
+      3.29 with keys innermost through per-key rows (and 1.53 / 2.03 for the slot cache).
     Eager would materialise the broadcast products: it calls attend()."""
     batch = token_idx.shape[0]
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
-    if q.device.type == "cpu":
-        width, bs = block_table.shape[1], k_cache.shape[1]
-        pos = torch.arange(width * bs, device=q.device).view(width, bs)
-        visible = pos[None] <= q_pos[:, None, None]  # (B, W, bs)
-        if sliding_window is not None:
-            visible = visible & (pos[None] > q_pos[:, None, None] - sliding_window)
-        qb = q[token_idx].view(batch, 1, 1, n_kv, group, head_dim).float()
-        k = k_cache[block_table][:, :, :, :, None, :]  # (B, W, bs, Hkv, 1, D): indexing, fused into the reduction
-        scores = (qb * k.float()).sum(-1) * scale  # (B, W, bs, Hkv, G)
-        scores = scores.masked_fill(~visible[..., None, None], float("-inf")).view(batch, width * bs, n_kv, group)
-        probs = torch.softmax(scores, dim=1).to(q.dtype).view(batch, width, bs, n_kv, group)
-        v = v_cache[block_table].masked_fill(~visible[..., None, None], 0)  # stale: replaced
-        out = (probs[..., None] * v[:, :, :, :, None, :]).sum((1, 2))  # (B, Hkv, G, D)
-        return out.reshape(batch, n_heads * head_dim)
-    rows = kv_rows(block_table, key_pos, k_cache.shape[1])
-    k = k_cache.view(-1, n_kv, head_dim)[rows]  # (B, S, Hkv, D): indexing, fused into the reduction
-    visible = key_pos[None, :] <= q_pos[:, None]  # (B, S)
+    width, bs = block_table.shape[1], k_cache.shape[1]
+    pos = torch.arange(width * bs, device=q.device).view(width, bs)
+    visible = pos[None] <= q_pos[:, None, None]  # (B, W, bs)
     if sliding_window is not None:
-        visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
-    v = v_cache.view(-1, n_kv, head_dim)[rows].masked_fill(~visible[:, :, None, None], 0)  # stale: replaced
-    qb = q[token_idx].view(batch, n_kv, group, 1, head_dim).float()
-    scores = (qb * k.permute(0, 2, 1, 3)[:, :, None].float()).sum(-1) * scale  # (B, Hkv, G, S)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = (probs[..., None] * v.permute(0, 2, 1, 3)[:, :, None]).sum(3)  # (B, Hkv, G, D)
+        visible = visible & (pos[None] > q_pos[:, None, None] - sliding_window)
+    qb = q[token_idx].view(batch, 1, 1, n_kv, group, head_dim).float()
+    k = k_cache[block_table][:, :, :, :, None, :]  # (B, W, bs, Hkv, 1, D): indexing, fused into the reduction
+    scores = (qb * k.float()).sum(-1) * scale  # (B, W, bs, Hkv, G)
+    scores = scores.masked_fill(~visible[..., None, None], float("-inf")).view(batch, width * bs, n_kv, group)
+    probs = torch.softmax(scores, dim=1).to(q.dtype).view(batch, width, bs, n_kv, group)
+    v = v_cache[block_table].masked_fill(~visible[..., None, None], 0)  # stale: replaced
+    out = (probs[..., None] * v[:, :, :, :, None, :]).sum((1, 2))  # (B, Hkv, G, D)
     return out.reshape(batch, n_heads * head_dim)
 
 

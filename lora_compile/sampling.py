@@ -137,8 +137,10 @@ def _read(columns: list[torch.Tensor]) -> list[list[float]]:
     return torch.cat([(c if c.dim() == 2 else c[:, None]).double() for c in columns], dim=1).tolist()
 
 
-def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> SampleResult:
-    """logits: (B, vocab) float32, one row per sequence in `seqs`; changed in place. A row that is not finite gets
+def sample(logits: torch.Tensor, seqs: list["Sequence"], next_input_ids: torch.Tensor | None = None) -> SampleResult:
+    """logits: (B, vocab) float32, one row per sequence in `seqs`; changed in place. `next_input_ids`: where the
+    tokens are also written on the device, before they are read (the next step's input ids, built ahead: a build
+    that does not run is overwritten, so a NON_FINITE token there is harmless). A row that is not finite gets
     token -1 (NON_FINITE). Every operation below is row by row, so such a row cannot disturb the others; it is
     zeroed only where its values would otherwise be computed with (random rows). The order is the module's
     (vLLM v1's)."""
@@ -167,6 +169,8 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> SampleResult:
         noise = torch.stack([torch.empty_like(probs[j]).exponential_(generator=g) for j, g in enumerate(draws)])
         tokens[rows] = (probs / noise).argmax(dim=-1)
     tokens = torch.where(finite, tokens, NON_FINITE)
+    if next_input_ids is not None:
+        next_input_ids.copy_(tokens, non_blocking=True)
     if not want_logprobs:
         return SampleResult(tokens.tolist(), None, None)  # the step's one device-to-host read
     columns = [tokens, raw_logprobs.gather(1, tokens.clamp(min=0)[:, None])]

@@ -1,19 +1,23 @@
-"""Overlapped batch init: the next decode step's metadata filled on the host while this step runs on the device.
+"""Overlapped batch init: the next decode step's metadata filled on the host and copied while this step runs on the
+device.
 
 On a GPU a decode step's host work (KV growth, plan, build: a Python pass over the running sequences) would
 otherwise sit between two device steps with the device idle: 0.12-0.58 ms of a 3.5-8 ms step on an H100's host
 (docs/benchmarks.md). Once a decode step's kernels are queued, the next step is built from what it will be if every
-sequence continues, all but its input ids, the tokens being sampled (vLLM's async scheduling reads those on the
-device; we write them once the step's tokens are read back, which the step does anyway). The next step then takes
-that build if its sequences are exactly those (same set, admitted and released nothing since, none finished);
-otherwise it is dropped and the step builds as usual. Still one host-to-device copy per step (two host buffers:
-the spare is filled while the other's copy may still be queued) and no host synchronisation.
+sequence continues and its one copy is queued behind them; its input ids, the tokens being sampled, are written
+by the sampler on the device (vLLM's async scheduling does the same), so nothing of it is left for the host. The
+next step then takes that build if its sequences are exactly those (same set, admitted and released nothing since,
+none finished): all it costs is that comparison. Otherwise it is dropped and the step builds as usual, its copy
+queued after (and overwriting) the dropped one. Each step that runs is still fed by one host-to-device copy (two
+host buffers: the spare is filled while the other's copy may still be queued), with no host synchronisation.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceLike
 from dataclasses import dataclass
+
+import torch
 
 from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import GraphShape
@@ -29,8 +33,7 @@ class DecodeAhead:
     merged: bool
     graph: GraphShape | None
     inputs: StepInputs
-    buffer: int                 # host buffer holding it, and its entries
-    total: int
+    buffer: int                 # host buffer holding it
 
 
 class StepAhead:
@@ -39,6 +42,7 @@ class StepAhead:
         self.batch_init, self.kv_cache, self.graph_shape = batch_init, kv_cache, graph_shape
         self.max_seq_len = max_seq_len
         self.pending: DecodeAhead | None = None
+        self.built = 0   # builds made ahead, each copied to the device once
         self.hits = 0    # steps that took a build made ahead
         self.misses = 0  # builds made ahead and dropped
 
@@ -56,8 +60,14 @@ class StepAhead:
                 return
             nxt.append(Planned(seq, p.start + 1, 1))
         graph = self.graph_shape(nxt)
-        inputs, buffer, total = self.batch_init.build_ahead(nxt, merged, graph)
-        self.pending = DecodeAhead(nxt, frozenset(id(p.seq) for p in nxt), epoch, merged, graph, inputs, buffer, total)
+        inputs, buffer = self.batch_init.build_ahead(nxt, merged, graph)
+        self.pending = DecodeAhead(nxt, frozenset(id(p.seq) for p in nxt), epoch, merged, graph, inputs, buffer)
+        self.built += 1
+
+    def next_input_ids(self) -> torch.Tensor | None:
+        """Where the running step's sampler writes its tokens on the device: the input ids of the step built ahead
+        (the same sequences in the same order), or None."""
+        return None if self.pending is None else self.pending.inputs.input_ids[:len(self.pending.planned)]
 
     def drop(self) -> None:
         if self.pending is not None:
@@ -65,13 +75,14 @@ class StepAhead:
             self.misses += 1
 
     def take(self, seqs: SequenceLike[Sequence], epoch: int) -> DecodeAhead | None:
-        """The build made ahead, completed and copied, if `seqs` is the step it was built for; else None."""
+        """The build made ahead, already on the device with its input ids, if `seqs` is the step it was built for;
+        else None. All a hit costs on the critical path is this comparison."""
         ahead, self.pending = self.pending, None
         if ahead is None:
             return None
         if ahead.epoch != epoch or len(seqs) != len(ahead.planned) or frozenset(map(id, seqs)) != ahead.members:
             self.misses += 1
             return None
-        self.batch_init.take_ahead(ahead.inputs, ahead.buffer, ahead.total)
+        self.batch_init.take_ahead(ahead.buffer)
         self.hits += 1
         return ahead
