@@ -105,12 +105,13 @@ def register_adapters(engine: Engine, adapters: dict[str, Path]) -> None:
 
 
 def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], steps: int = 16,
-                     prompt_len: int = 64) -> tuple[float, float]:
-    """Mean seconds per decode step at `batch` sequences (after prefill), and mean batch-init seconds."""
+                     prompt_len: int = 64, **sampling) -> tuple[float, float]:
+    """Mean seconds per decode step at `batch` sequences (after prefill), and mean batch-init seconds.
+    `sampling`: more SamplingParams fields (a structured output, say)."""
     seqs = [Sequence(i, [(7 * i + j) % 500 + 3 for j in range(prompt_len)],
                      # room for the tokens of early finishers while a small step budget prefills the rest
                      SamplingParams(max_new_tokens=min(engine.config.max_seq_len - prompt_len, steps + 8 + batch * prompt_len),
-                                    ignore_eos=True), adapters[i % len(adapters)])
+                                    ignore_eos=True, **sampling), adapters[i % len(adapters)])
             for i in range(batch)]
     for s in seqs:
         assert engine.try_admit(s), "benchmark batch does not fit the engine's limits"

@@ -31,6 +31,7 @@ from .prompt_logprobs import PromptLogprobs
 from .sampling import NON_FINITE, SamplingParams, sample
 from .sequence import Sequence
 from .step_ahead import StepAhead
+from .structured_output import GrammarCompiler, consume, fill_bitmask
 from .tokenizer import Tokenizer
 
 
@@ -116,6 +117,8 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._compiled = config.compile
         self._warmed_up = False
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         if self._compiled:
             compile_policy.compile_model(self.model, self.inductor_cache_dir, config.precompile)
         # Decode steps replay CUDA graphs where the step is compiled (eager LoRA reads slots on the host).
@@ -133,6 +136,14 @@ class Engine:
         """Sequences admitted and holding KV blocks."""
         return len(self._admitted)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler, made on first use (it reads the whole vocabulary once)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            return self._grammars
+
     def check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the problem if the engine could never serve this request."""
         if not prompt_ids:
@@ -145,6 +156,8 @@ class Engine:
         if bad_bias:  # vLLM's message
             raise ValueError(f"token_id(s) {bad_bias} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
                              f"{vocab}")
+        if sampling.structured_output is not None:  # compiled once per spec; the service compiles it beforehand
+            self.grammars.compile(sampling.structured_output)
         total = len(prompt_ids) + sampling.max_new_tokens
         if total > self.config.max_seq_len:
             raise ValueError(
@@ -184,6 +197,8 @@ class Engine:
         if not seq.sampling.greedy and seq.generator is None:  # kept across preemption: the same random stream
             seed = seq.sampling.seed if seq.sampling.seed is not None else self._rng.getrandbits(63)
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        if seq.sampling.structured_output is not None and seq.grammar is None:  # kept across preemption too
+            seq.grammar = self.grammars.matcher(seq.sampling.structured_output)
         return AdmitOutcome.ADMITTED
 
     def _blocks_due(self) -> int:
@@ -275,12 +290,13 @@ class Engine:
             t_ahead = time.perf_counter()
             self.ahead.prepare(single, merged, self._epoch)
             ahead_s = time.perf_counter() - t_ahead
+        bitmask = fill_bitmask(sampled, self.model_config.vocab_size, self.device.type == "cuda") if sampled else None
         t2 = time.perf_counter()
         n = len(sampled)  # logits rows: the sampled ones, then those of prompt log-probabilities
         prompt = PromptLogprobs(logits[n:], inputs.prompt_targets, inputs.prompt_rows) if inputs.prompt_rows else None
         raw = logits[:n].clone() if return_logits else None  # (the sampler changes its rows in place)
         next_ids = self.ahead.next_input_ids() if self.ahead is not None else None
-        result = sample(logits[:n], sampled, next_ids) if sampled else None
+        result = sample(logits[:n], sampled, next_ids, bitmask) if sampled else None
         if prompt is not None:
             prompt.record()
         for p in (*single, *chunks):
@@ -306,6 +322,10 @@ class Engine:
                 if result.top_logprobs is not None:
                     seq.output_top_logprobs.append(result.top_logprobs[i])
             seq.finish_reason = self._finish_reason(seq, token)
+            if seq.grammar is not None:  # "grammar": complete, nothing may follow (an EOS accepted stays "eos")
+                ended = consume(seq, token)
+                if ended == "error" or (ended and seq.finish_reason is None):
+                    seq.finish_reason = "grammar" if ended == "stop" else ended
         if self.ahead is not None and self.ahead.pending is not None and any(s.finish_reason for s in sampled):
             self.ahead.drop()  # built for sequences that continue
         t3 = time.perf_counter()

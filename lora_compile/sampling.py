@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .logits_processors import SamplingTensors, apply_logit_bias_and_penalties, apply_min_p
+from .structured_output import StructuredOutput, apply_bitmask
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -88,6 +89,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time the token was generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the raw logits, sorted by id
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob and the top k (echo)
+    structured_output: StructuredOutput | None = None  # the output held to a schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         for name in SAMPLING_RULES:
@@ -137,10 +139,13 @@ def _read(columns: list[torch.Tensor]) -> list[list[float]]:
     return torch.cat([(c if c.dim() == 2 else c[:, None]).double() for c in columns], dim=1).tolist()
 
 
-def sample(logits: torch.Tensor, seqs: list["Sequence"], next_input_ids: torch.Tensor | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, seqs: list["Sequence"], next_input_ids: torch.Tensor | None = None,
+           bitmask: torch.Tensor | None = None) -> SampleResult:
     """logits: (B, vocab) float32, one row per sequence in `seqs`; changed in place. `next_input_ids`: where the
     tokens are also written on the device, before they are read (the next step's input ids, built ahead: a build
-    that does not run is overwritten, so a NON_FINITE token there is harmless). A row that is not finite gets
+    that does not run is overwritten, so a NON_FINITE token there is harmless). `bitmask`: the tokens each row's
+    grammar allows (structured_output.fill_bitmask), applied once the row is known finite (its -inf would read as
+    not finite), before any draw. A row that is not finite gets
     token -1 (NON_FINITE). Every operation below is row by row, so such a row cannot disturb the others; it is
     zeroed only where its values would otherwise be computed with (random rows). The order is the module's
     (vLLM v1's)."""
@@ -154,6 +159,8 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"], next_input_ids: torch.T
     # isfinite().all() is four passes over the (B, vocab) logits (~1 ms a step at batch 8 on 2 cores).
     # Checked after the penalties, which could still overflow a logit near float32's largest values.
     finite = logits.amax(dim=-1).isfinite() & logits.amin(dim=-1).isfinite()
+    if bitmask is not None:
+        apply_bitmask(logits, bitmask)
     tokens = logits.argmax(dim=-1)
     if t.random_rows is not None:
         rows = t.random_rows

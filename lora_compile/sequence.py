@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,7 +24,8 @@ class Sequence:
     # prefilled (prompt_logprobs_pending counts what is left).
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None  # "length", "eos", "stop", or "error" (then `error` says why)
+    # "length", "eos", "stop", "grammar" (its structured output is complete), or "error" (then `error` says why)
+    finish_reason: str | None = None
     error: str | None = None
     # Owned by the engine while the sequence is admitted (kv_cache.KVCacheManager).
     block_table: list[int] = field(default_factory=list)  # KV blocks holding positions 0, bs, 2bs, ...
@@ -38,6 +40,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
     sampler_state: SequenceSamplerState | None = None  # logit_bias and penalties (logits_processors)
+    grammar: Any = None  # sampling.structured_output's matcher (llguidance.LLMatcher), set at admission
 
     @property
     def num_tokens(self) -> int:

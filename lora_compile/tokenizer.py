@@ -38,6 +38,10 @@ class Tokenizer:
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """tokenizer.json as the tokenizers library holds it (grammar engines build their own view of it)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

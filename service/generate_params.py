@@ -59,6 +59,8 @@ class GenerateParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None    # None: off
+    # structured output: (kind, spec), lora_compile.structured_output.StructuredOutput's fields; None: free text
+    structured_output: tuple[str, str] | None = None
 
     @property
     def input_bytes(self) -> int:

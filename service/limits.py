@@ -16,6 +16,7 @@ MAX_STOP_CHARS = 256  # per stop string: longer ones would hold back that much t
 MAX_NAME_CHARS = 256  # request_id (echoed in every response) and adapter (echoed in NOT_FOUND)
 MAX_REPORTED_BAD_IDS = 8  # per repeated field: enough to fix the request, small enough for a status
 MAX_TOP_LOGPROBS = 20
+MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024  # a JSON schema, regex, choice list or grammar
 
 
 @dataclass(frozen=True)

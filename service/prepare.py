@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lora_compile import SamplingParams
 from lora_compile.errors import AdapterNameError, AdapterPathError
+from lora_compile.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
+from lora_compile.structured_output import GrammarError, StructuredOutput
 from lora_compile.sampling import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -30,6 +32,7 @@ from service.limits import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_STRUCTURED_OUTPUT_CHARS,
     MAX_TOP_LOGPROBS,
     RequestLimits,
 )
@@ -51,6 +54,8 @@ class Preparer:
         self.max_text_chars = self.max_prompt * info.max_token_chars
         # One thread: a burst of long texts queues there instead of taking every core from the engine thread.
         self._tokenizer_pool: ThreadPoolExecutor | None = None
+        # Grammars compile here, off the event loop and the engine thread (cached by spec in the engine).
+        self._grammar_pool: ThreadPoolExecutor | None = None
         self._heap = HeapTrimmer()
 
     async def prepare(self, params: GenerateParams) -> GenerationRequest:
@@ -62,6 +67,8 @@ class Preparer:
         if params.text is not None:
             prompt_ids = await self.encode(params.text, params.add_special_tokens, params.names("text"))
         req = validate(params, prompt_ids, self.limits, self.model)
+        if req.sampling.structured_output is not None:
+            await self._compile(req.sampling.structured_output, params.names("structured_output"))
         if req.adapter is not None:
             try:
                 known = self._runner.has_adapter(req.adapter)
@@ -70,6 +77,15 @@ class Preparer:
             if not known:
                 raise NotFound("adapter", req.adapter)
         return req
+
+    async def _compile(self, spec: StructuredOutput, field: str) -> None:
+        """INVALID_ARGUMENT naming the problem when the grammar does not compile, before any step."""
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._runner.compile_grammar, spec)
+        except GrammarError as e:
+            raise InvalidArgument([FieldViolation(field, f"does not compile: {e}")]) from None
 
     async def encode(self, text: str, add_special_tokens: bool = True, field: str = "text") -> list[int]:
         """The tokenizer's ids, in the tokenizer thread when the text is long; `field` names the text in a
@@ -113,6 +129,7 @@ def validate(params: GenerateParams, prompt_ids: list[int] | None, limits: Reque
     if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
         bad.append(FieldViolation(name("prompt_logprobs"), f"must be in [0, {MAX_PROMPT_LOGPROBS}], "
                                                            f"got {params.prompt_logprobs}"))
+    structured_output = _structured_output(params, bad)
     if bad:
         raise InvalidArgument(bad)
 
@@ -120,7 +137,7 @@ def validate(params: GenerateParams, prompt_ids: list[int] | None, limits: Reque
         sampling_params = SamplingParams(
             **sampling, max_new_tokens=max_new_tokens, stop_token_ids=tuple(params.stop_token_ids),
             ignore_eos=params.ignore_eos, logprobs=params.logprobs, top_logprobs=params.top_logprobs,
-            logit_bias=logit_bias, prompt_logprobs=params.prompt_logprobs,
+            logit_bias=logit_bias, prompt_logprobs=params.prompt_logprobs, structured_output=structured_output,
         )
     except ValueError as e:
         raise InvalidArgument([FieldViolation(name("sampling"), str(e))]) from e
@@ -132,6 +149,22 @@ def validate(params: GenerateParams, prompt_ids: list[int] | None, limits: Reque
         stop=tuple(params.stop),
         n=n,
     )
+
+
+def _structured_output(params: GenerateParams, bad: list[FieldViolation]) -> StructuredOutput | None:
+    if params.structured_output is None:
+        return None
+    kind, spec = params.structured_output
+    field = params.names("structured_output")
+    if kind not in STRUCTURED_OUTPUT_KINDS:
+        bad.append(FieldViolation(field, f"kind must be one of {sorted(STRUCTURED_OUTPUT_KINDS)}, got {kind!r}"))
+    elif len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+        bad.append(FieldViolation(field, f"at most {MAX_STRUCTURED_OUTPUT_CHARS} characters, got {len(spec)}"))
+    elif (not spec and kind != "json_object") or (kind == "choice" and spec == "[]"):
+        bad.append(FieldViolation(field, f"the {kind} is empty"))
+    else:
+        return StructuredOutput(kind, spec)
+    return None
 
 
 def _prompt(params: GenerateParams, prompt_ids: list[int] | None, limits: RequestLimits, model: ModelInfo,

@@ -126,6 +126,8 @@ GENERATE_CASES: dict[str, Case] = {
                 "--max-num-seqs), got 9", ("sampling.n",)),
     "G51": Case(_request(response__prompt_logprobs=21), INVALID, "response.prompt_logprobs: must be in [0, 20], got 21",
                 ("response.prompt_logprobs",)),
+    "G52": Case(_request(structured_output__json_schema='{"type": "nonsense"}'), INVALID,
+                "structured_output: does not compile: Invalid type: nonsense", ("structured_output",)),
 }
 
 # Entries checked by other tests (test file :: test name).

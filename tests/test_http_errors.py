@@ -80,12 +80,19 @@ HTTP_CASES = {
              "--api-token: a guard against DNS rebinding); call it by one of those names, or start it with "
              "--allowed-hosts evil.example (or --api-token)", None)],
     "H22": [(COMPLETIONS, {"prompt": "Hi", "guided_json": {"type": "object"}}, {}, 400, "guided_json: removed from "
-             "vLLM's API (its replacement is structured_outputs, which lora-serve does not support either)",
+             "vLLM's API: use {\"structured_outputs\": {\"json\": ...}}; refused rather than ignored",
              "guided_json"),
             (COMPLETIONS, {"prompt": "Hi", "guided_choice": ["a", "b"]}, {}, 400, "guided_choice: removed",
              "guided_choice")],
     "H23": [(COMPLETIONS, {"prompt": "Hi", "logit_bias": {"abc": 1, "-1": 2}}, {}, 400, "logit_bias: keys must be "
              "token ids (non-negative integers, as strings); got 'abc', '-1'", "logit_bias")],
+    "H25": [(COMPLETIONS, {"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+             {}, 400, "response_format.json_schema.schema: a JSON schema object is required (OpenAI's form: "
+             "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}})",
+             "response_format.json_schema.schema"),
+            (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, {}, 400,
+             "structured_outputs: set exactly one of json, regex, choice, grammar, json_object; got regex, choice",
+             "structured_outputs")],
     "H24": [(COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, {}, 400,
              "prompt_logprobs: not available when stream is true", "prompt_logprobs")],
 }
@@ -124,6 +131,8 @@ SHARED_CASES = [
     ("G48", {"prompt": "Hi", "logit_bias": {"5": -101}}, "logit_bias: the bias of token 5 must be in [-100, 100], "
      "got -101", "logit_bias"),
     ("G51", {"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs: must be in [0, 20], got 21", "prompt_logprobs"),
+    ("G52", {"prompt": "Hi", "structured_outputs": {"json": {"type": "nonsense"}}},
+     "structured_outputs: does not compile: Invalid type: nonsense", "structured_outputs"),
 ]
 
 

@@ -191,9 +191,9 @@ def test_finish_reasons_map_to_vllms():
     """vLLM says stop for an EOS token as for a stop string or token, abort for a client gone, error for a
     failure (vllm/v1/engine/__init__.py FinishReason); our names say which."""
     vllm, ours = MetricNames("vllm"), MetricNames()
-    reasons = ("length", "stop", "eos", "cancelled", None)
-    assert [vllm.finish_reason(r) for r in reasons] == ["length", "stop", "stop", "abort", "error"]
-    assert [ours.finish_reason(r) for r in reasons] == ["length", "stop", "eos", "cancelled", None]
+    reasons = ("length", "stop", "eos", "grammar", "cancelled", None)
+    assert [vllm.finish_reason(r) for r in reasons] == ["length", "stop", "stop", "stop", "abort", "error"]
+    assert [ours.finish_reason(r) for r in reasons] == ["length", "stop", "eos", "grammar", "cancelled", None]
     with pytest.raises(ValueError, match="lora_serve, vllm"):
         MetricNames("vLLM")
 

@@ -209,7 +209,7 @@ NON_NEUTRAL = {
     "use_beam_search": True, "length_penalty": 0.5, "include_stop_str_in_output": True, "min_tokens": 2,
     "skip_special_tokens": False, "spaces_between_special_tokens": False, "truncate_prompt_tokens": 4,
     "allowed_token_ids": [5, 6], "bad_words": ["x"], "logprob_token_ids": [5], "watermarking": True,
-    "structured_outputs": {"choice": ["a"]}, "priority": 1, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
+    "priority": 1, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"max_pattern_size": 3},
     "thinking_token_budget": 10, "stream_interval": 4, "return_tokens_as_token_ids": True, "suffix": "end",
     "prompt_embeds": "AAAA", "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",

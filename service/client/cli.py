@@ -47,6 +47,13 @@ def client_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                    help="print the prompt tokens' log-probabilities (and the top K) on stderr")
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", type=_read_text, default=None, metavar="FILE",
+                    help="hold the output to the JSON schema in FILE")
+    so.add_argument("--json-object", action="store_true", help="hold the output to a JSON object")
+    so.add_argument("--regex", default=None, help="hold the output to a regular expression")
+    so.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    so.add_argument("--grammar", type=_read_text, default=None, metavar="FILE", help="a Lark grammar in FILE")
 
     a = sub.add_parser("adapters", help="list, load or unload adapters")
     asub = a.add_subparsers(dest="action", required=True)
@@ -62,6 +69,14 @@ def client_parser() -> argparse.ArgumentParser:
     t.add_argument("text")
     sub.add_parser("health", help="grpc.health.v1 status")
     return p
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror}") from None
 
 
 def _logit_bias(value: str) -> tuple[int, float]:
@@ -112,7 +127,8 @@ def _run_client_command(client, args) -> int:
             top_k=args.top_k, min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
             logit_bias=dict(args.logit_bias), n=args.n, stop=args.stop, stop_token_ids=args.stop_token_id,
-            ignore_eos=args.ignore_eos, prompt_logprobs=args.prompt_logprobs,
+            ignore_eos=args.ignore_eos, prompt_logprobs=args.prompt_logprobs, json_schema=args.json_schema,
+            json_object=args.json_object, regex=args.regex, choice=args.choice, grammar=args.grammar,
         )
         if (args.n or 1) > 1:  # interleaved streams would be unreadable: each choice once it is whole
             for choice in client.complete_choices(args.prompt, **params):

@@ -9,6 +9,8 @@ Every RPC error is raised as a `LoraServeError` subclass (see errors.py beside t
 """
 from __future__ import annotations
 
+import json
+
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +24,8 @@ from service.client.channel import ClientTLS, bearer, open_channel, with_trace_c
 from service.client.errors import from_rpc_error
 
 _FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
-                   pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_CANCELLED: "cancelled"}
+                   pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_CANCELLED: "cancelled",
+                   pb.FINISH_REASON_GRAMMAR: "grammar"}
 
 
 # --- results ----------------------------------------------------------------------------------------
@@ -35,7 +38,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class GenerateChunk:
-    """One streamed message. finish_reason ("length", "stop", "eos", "cancelled") is set on the last."""
+    """One streamed message. finish_reason ("length", "stop", "eos", "grammar", "cancelled") is set on the last."""
 
     text: str
     token_ids: list[int]
@@ -117,10 +120,13 @@ def build_generate_request(
     logit_bias: Mapping[int, float] | None = None, n: int | None = None, stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
     top_logprobs: int = 0, prompt_logprobs: int | None = None, request_id: str = "",
+    json_schema: Mapping | str | None = None, json_object: bool = False, regex: str | None = None,
+    choice: Sequence[str] | None = None, grammar: str | None = None,
 ) -> pb.GenerateRequest:
     """None leaves a field unset (server default); text prompts are tokenized by the server. `logit_bias`: token
     id -> bias added to its logit; `n`: choices from the one prompt (each chunk's `index` says which);
-    `prompt_logprobs`: the prompt's log-probabilities and top k (in the first chunk)."""
+    `prompt_logprobs`: the prompt's log-probabilities and top k (in the first chunk). At most one of
+    `json_schema` (a dict or its JSON text), `json_object`, `regex`, `choice`, `grammar`: the output held to it."""
     req = pb.GenerateRequest(request_id=request_id, adapter=adapter or "")
     if isinstance(prompt, str):
         req.text = prompt
@@ -141,7 +147,25 @@ def build_generate_request(
     req.response.top_logprobs = top_logprobs
     if prompt_logprobs is not None:
         req.response.prompt_logprobs = prompt_logprobs
+    _structured_output(req.structured_output, json_schema, json_object, regex, choice, grammar)
     return req
+
+
+def _structured_output(so: pb.StructuredOutput, json_schema, json_object, regex, choice, grammar) -> None:
+    given = [name for name, v in (("json_schema", json_schema), ("json_object", json_object or None),
+                                  ("regex", regex), ("choice", choice), ("grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"at most one structured output, got {', '.join(given)}")
+    if json_schema is not None:
+        so.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        so.json_object = True
+    elif regex is not None:
+        so.regex = regex
+    elif choice is not None:
+        so.choice.choices.extend(choice)
+    elif grammar is not None:
+        so.grammar = grammar
 
 
 def generate_metadata(metadata: tuple[tuple[str, str], ...] | None, params: dict) -> tuple[tuple[str, str], ...]:

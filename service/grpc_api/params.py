@@ -1,6 +1,8 @@
 """GenerateRequest (proto) → GenerateParams, with the fields named by their GenerateRequest paths in refusals."""
 from __future__ import annotations
 
+import json
+
 from service._proto import pb
 from service.generate_params import FieldNames, GenerateParams
 
@@ -10,8 +12,11 @@ GRPC_NAMES = FieldNames({
     **{name: f"sampling.{name}" for name in _SAMPLING}, "logit_bias": "sampling.logit_bias",
     "token_ids": "token_ids.ids[]", "max_new_tokens": "stopping.max_new_tokens", "stop": "stopping.stop[]",
     "stop_token_ids": "stopping.stop_token_ids[]", "top_logprobs": "response.top_logprobs",
-    "prompt_logprobs": "response.prompt_logprobs",
+    "prompt_logprobs": "response.prompt_logprobs", "structured_output": "structured_output",
 })
+# StructuredOutput's oneof → GenerateParams.structured_output's kind
+_STRUCTURED_KINDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar"}
 
 
 def from_proto(request: pb.GenerateRequest) -> GenerateParams:
@@ -25,6 +30,7 @@ def from_proto(request: pb.GenerateRequest) -> GenerateParams:
         optional["prompt_logprobs"] = response.prompt_logprobs
     prompt = request.WhichOneof("input")
     return GenerateParams(
+        structured_output=_structured_output(request),
         names=GRPC_NAMES, request_id=request.request_id, adapter=request.adapter,
         text=request.text if prompt == "text" else None,
         token_ids=request.token_ids.ids if prompt == "token_ids" else None,
@@ -32,3 +38,15 @@ def from_proto(request: pb.GenerateRequest) -> GenerateParams:
         ignore_eos=stopping.ignore_eos, logprobs=response.logprobs, top_logprobs=response.top_logprobs,
         **optional,
     )
+
+
+def _structured_output(request: pb.GenerateRequest) -> tuple[str, str] | None:
+    if not request.HasField("structured_output"):
+        return None
+    so = request.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not so.json_object):
+        return None
+    if kind == "choice":
+        return "choice", json.dumps(list(so.choice.choices))
+    return _STRUCTURED_KINDS[kind], "" if kind == "json_object" else getattr(so, kind)

@@ -19,7 +19,7 @@ from service.runner.scheduler import EngineRunner
 
 _FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
-    "eos": pb.FINISH_REASON_EOS, "cancelled": pb.FINISH_REASON_CANCELLED,
+    "eos": pb.FINISH_REASON_EOS, "cancelled": pb.FINISH_REASON_CANCELLED, "grammar": pb.FINISH_REASON_GRAMMAR,
 }
 _TIERS = {"disk": pb.ADAPTER_TIER_DISK, "host": pb.ADAPTER_TIER_HOST, "device": pb.ADAPTER_TIER_DEVICE}
 

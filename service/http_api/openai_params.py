@@ -14,6 +14,7 @@ from service.errors import FieldViolation, InvalidArgument, NotFound
 from service.generate_params import FieldNames, GenerateParams
 from service.http_api.errors import HttpError
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, _Common
+from service.http_api.structured import structured_output
 from service.limits import MAX_NAME_CHARS, MAX_REPORTED_BAD_IDS
 
 _NAMES = {"adapter": "model", "stop": "stop[]", "stop_token_ids": "stop_token_ids[]", "max_new_tokens": "max_tokens"}
@@ -37,7 +38,6 @@ NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": ((), "not supported (logit_bias can ban tokens)"),
     "logprob_token_ids": ((), "not supported (use logprobs / top_logprobs)"),
     "watermarking": ((False,), "not supported"),
-    "structured_outputs": ((), "structured outputs are not supported"),
     "priority": ((0,), "priority scheduling is not supported (requests are served first come, first served)"),
     "cache_salt": ((), "not supported"),
     "kv_transfer_params": ((), "disaggregated serving is not supported"),
@@ -65,18 +65,22 @@ REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided
                          "guided_whitespace_pattern")
 
 
+def _guided_replacement(name: str) -> str:
+    key = name.removeprefix("guided_")
+    if key in ("json", "regex", "choice", "grammar"):
+        return f'{{"structured_outputs": {{"{key}": ...}}}}'
+    return "structured_outputs (llguidance is its one backend)" if key == "decoding_backend" else "structured_outputs"
+
+
 def unsupported_fields(body: _Common) -> list[FieldViolation]:
     """The fields this body sets that lora-serve does not honour (each named, so none is silently dropped)."""
     chat = isinstance(body, ChatCompletionRequest)
-    bad = [FieldViolation(name, f"removed from vLLM's API (its replacement is structured_outputs, which "
-                                "lora-serve does not support either); refused rather than ignored")
-           for name in REMOVED_GUIDED_FIELDS if getattr(body, name) is not None]
+    bad = [FieldViolation(name, f"removed from vLLM's API: use {_guided_replacement(name)}; refused rather than "
+                                "ignored") for name in REMOVED_GUIDED_FIELDS if getattr(body, name) is not None]
     for name, (neutral, why) in (NOT_HONOURED | (_NOT_HONOURED_ON_CHAT if chat else {})).items():
         value = getattr(body, name, None)
         if value is not None and value not in ([], {}) and value not in neutral:
             bad.append(FieldViolation(name, why))
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        bad.append(FieldViolation("response_format", "only {\"type\": \"text\"} is supported"))
     if isinstance(body, CompletionRequest) and body.best_of not in (None, 1):
         bad.append(FieldViolation("best_of", "only best_of = 1 is supported"))
     if body.stream and body.prompt_logprobs:  # (vLLM refuses it too)
@@ -119,6 +123,9 @@ def generate_params(body: _Common, adapter: str, request_id: str, *, text: str |
         logprobs, top_logprobs = body.logprobs is not None, body.logprobs
         # echo with logprobs: the prompt's log-probabilities too (vLLM's rule)
         prompt_logprobs = body.logprobs if body.echo else None
+    constraint = structured_output(body.response_format, body.structured_outputs)
+    if constraint is not None:
+        names = FieldNames(names.names | {"structured_output": constraint[1]})
     return GenerateParams(
         names=names, request_id=request_id, adapter=adapter, text=text, token_ids=token_ids,
         add_special_tokens=body.add_special_tokens,
@@ -130,6 +137,7 @@ def generate_params(body: _Common, adapter: str, request_id: str, *, text: str |
         max_new_tokens=max_tokens, stop=body.stop_list(), stop_token_ids=body.stop_token_ids or (),
         ignore_eos=body.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs or 0,
         prompt_logprobs=body.prompt_logprobs if body.prompt_logprobs is not None else prompt_logprobs,
+        structured_output=constraint[0] if constraint else None,
     )
 
 

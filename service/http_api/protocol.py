@@ -42,7 +42,7 @@ class _Common(BaseModel):
     frequency_penalty: Number | None = None
     logit_bias: dict[StrictStr, Number] | None = None  # token id (a string, JSON keys are) -> bias
     user: StrictStr | None = None  # accepted and ignored (OpenAI's abuse-monitoring id)
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (http_api/structured.py)
     # vLLM's sampling fields
     top_k: I32 | None = None
     min_p: Number | None = None

@@ -26,7 +26,7 @@ from service.runner.request import GenerationRequest, RequestOutput
 from service.runner.scheduler import EngineRunner
 from service.telemetry.http_tracing import HttpTracer
 
-_FINISH = {"length": "length", "stop": "stop", "eos": "stop", "cancelled": "abort"}  # abort: vLLM's word
+_FINISH = {"length": "length", "stop": "stop", "eos": "stop", "grammar": "stop", "cancelled": "abort"}  # abort: vLLM's word
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -8,6 +8,7 @@ import logging
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine
 from lora_compile.lora_manager import AdapterInfo
+from lora_compile.structured_output import StructuredOutput
 from service.runner.detokenizer import TokenText, token_texts
 from service.runner.request import ModelInfo
 
@@ -46,6 +47,11 @@ class EngineDoor:
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens written out (as vLLM's /detokenize: a prompt's own text)."""
         return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile a structured output's grammar into the engine's cache (thread-safe; call it off the engine
+        thread: a large schema takes milliseconds). Raises GrammarError naming the problem."""
+        self.engine.grammars.compile(spec)
 
     def has_adapter(self, name: str) -> bool:
         """Registered, or found in an adapter directory. Raises AdapterNameError (INVALID_ARGUMENT) for a name

@@ -67,7 +67,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None  # "length", "stop", "eos" or "cancelled"
+    finish_reason: str | None = None  # "length", "stop", "eos", "grammar" or "cancelled"
     stop: str | None = None           # the matched stop string
     stop_token_id: int | None = None  # the matched stop token
     prompt_tokens: int = 0

@@ -17,8 +17,9 @@ OWN_PREFIX = "lora_serve:"  # metrics of our own, whatever the naming
 # vLLM's FinishReason strings (vllm/v1/engine/__init__.py), each series created at zero as vLLM does.
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # Ours (RequestOutput.finish_reason, and "cancelled": the client went away). A failed request is not counted.
-FINISH_REASONS = ("length", "stop", "eos", "cancelled")
-_TO_VLLM_REASON = {"length": "length", "stop": "stop", "eos": "stop", "cancelled": "abort", None: "error"}
+FINISH_REASONS = ("length", "stop", "eos", "grammar", "cancelled")
+_TO_VLLM_REASON = {"length": "length", "stop": "stop", "eos": "stop", "grammar": "stop", "cancelled": "abort",
+                   None: "error"}
 
 # Where vLLM 0.32's name differs from ours (the rest share the part after the prefix).
 _VLLM_NAMES = {"time_per_output_token_seconds": "request_time_per_output_token_seconds"}
