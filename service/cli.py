@@ -53,6 +53,7 @@ def serve_parser() -> argparse.ArgumentParser:
     from lora_compile.config import LORA_KERNELS, MERGE_MODES
     from service.cli_vllm import add_log_flags, lora_module, token_count
     from service.limits import RequestLimits
+    from service.http_api.tool_calls import TOOL_CALL_PARSERS
     from service.server import DEFAULT_HTTP_PORT, ServerConfig
     from service.telemetry.prometheus_names import METRICS_PREFIXES
 
@@ -74,6 +75,11 @@ def serve_parser() -> argparse.ArgumentParser:
                         "(/v1/models, responses, metrics) (default: the model directory's name)")
     p.add_argument("--enable-lora", action="store_true",
                    help="accepted for vLLM's command lines: LoRA is always on")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="read the model's tool calls for tool_choice \"auto\" (hermes: <tool_call> JSON blocks, as "
+                        "Qwen2.5/Qwen3 and Hermes templates write them); without it \"auto\" is refused")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: \"auto\" is on wherever --tool-call-parser is set")
     p.add_argument("--host", default=server_defaults.host,
                    help="address to bind (default: %(default)s; 0.0.0.0 for remote clients)")
     p.add_argument("--port", type=int, default=server_defaults.port, help="default: %(default)s; 0: any free port")
@@ -295,7 +301,8 @@ def _server_config(args: argparse.Namespace):
     return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
                         limits=limits, security=security, http_port=args.http_port or None,
                         connections=_connection_limits(args), metrics_prefix=args.metrics_prefix,
-                        served_model_names=tuple(args.served_model_name), logs=log_config(args), **replica)
+                        served_model_names=tuple(args.served_model_name), logs=log_config(args),
+                        tool_call_parser=args.tool_call_parser, **replica)
 
 
 def _engine_config(args: argparse.Namespace, model: str):

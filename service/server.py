@@ -76,6 +76,8 @@ class ServerConfig:
     # The names the base model answers to and is reported under (the first); empty: its directory's name.
     served_model_names: tuple[str, ...] = ()
     logs: LogConfig = LogConfig()
+    # How tool_choice "auto" reads the model's calls (service/http_api/tool_calls.py); None: "auto" is refused.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if any(not name or not name.isprintable() for name in self.served_model_names):
@@ -126,7 +128,7 @@ class LoraServer:
         door = HttpDoor(
             runner=self.runner, preparer=self.preparer, security=self.config.security,
             state=lambda: self.state, metrics=self.metrics, max_body_bytes=self.config.limits.max_message_bytes,
-            chat_template=load_chat_template(self.runner.model_dir),
+            chat_template=load_chat_template(self.runner.model_dir), tool_call_parser=self.config.tool_call_parser,
             tracer=HttpTracer(self.telemetry, self.observer) if self.telemetry is not None else None,
             replica_id=self.config.replica_id, host=self.config.host)
         if door.chat_template is None:

@@ -95,6 +95,14 @@ HTTP_CASES = {
              "structured_outputs")],
     "H24": [(COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, {}, 400,
              "prompt_logprobs: not available when stream is true", "prompt_logprobs")],
+    "H26": [(CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {
+        "name": "get weather"}}]}, {}, 400, "tools[0].function.name: must be 1-64 letters, digits, '_' or '-'",
+        "tools[0].function.name"),
+            (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required"}, {}, 400,
+             "tool_choice: needs tools: send the functions it may call", "tool_choice"),
+            (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "auto", "tools": [
+                {"type": "function", "function": {"name": "f"}}]}, {}, 400, "tool_choice: \"auto\" needs a tool call "
+             "parser: start the server with --tool-call-parser hermes", "tool_choice")],
 }
 # Elsewhere: H09 (test_http_api.py::test_chat_uses_the_models_template_as_transformers_renders_it and
 # test_http_hardening.py::test_chat_template_errors_are_in_our_words), H11 and H15 below, H16

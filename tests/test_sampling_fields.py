@@ -212,11 +212,11 @@ NON_NEUTRAL = {
     "priority": 1, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"max_pattern_size": 3},
     "thinking_token_budget": 10, "stream_interval": 4, "return_tokens_as_token_ids": True, "suffix": "end",
-    "prompt_embeds": "AAAA", "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+    "prompt_embeds": "AAAA",
     "reasoning_effort": "low", "continue_final_message": True, "chat_template": "{{ messages }}",
     "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1}, "return_prompt_text": True,
 }
-CHAT_ONLY = {"tools", "tool_choice", "reasoning_effort", "continue_final_message", "chat_template", "media_io_kwargs",
+CHAT_ONLY = {"reasoning_effort", "continue_final_message", "chat_template", "media_io_kwargs",
              "mm_processor_kwargs", "return_prompt_text"}
 
 

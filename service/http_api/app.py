@@ -17,6 +17,7 @@ from service.affinity import REPLICA_ID_HEADER
 from service.errors import InvalidArgument, NotFound, Unavailable
 from service.http_api import openai_params, vllm_routes
 from service.http_api.chat_template import ChatTemplate, render_chat
+from service.http_api.tool_calls import ToolPlan, plan_tools
 from service.http_api.errors import error_body, error_response, grpc_status
 from service.http_api.hosts import HostCheck, HostPolicy
 from service.http_api.model_cards import model_cards
@@ -49,6 +50,7 @@ class HttpDoor:
     metrics: PrometheusMetrics
     max_body_bytes: int
     chat_template: ChatTemplate | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" parses the model's calls
     tracer: HttpTracer | None = None
     replica_id: str = ""  # x-replica-id on every response ("" : none)
     host: str = "127.0.0.1"  # the address it listens on (--host): the Host names it answers to follow from it
@@ -157,7 +159,10 @@ class _Routes:
             rid = openai_params.request_id("chatcmpl" if chat else "cmpl", request.headers.get("x-request-id"),
                                            body.request_id)
             # (a completions prompt list: one GenerateParams per prompt, prompts.py)
-            params = [self._chat_params(body, adapter, rid)] if chat else self._completion_params(body, adapter, rid)
+            tools = (plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.door.tool_call_parser)
+                     if chat else None)
+            params = ([self._chat_params(body, adapter, rid, tools)] if chat
+                      else self._completion_params(body, adapter, rid))
             if tracer is not None:
                 tracer.record_request(call, params[0])
             try:
@@ -172,7 +177,7 @@ class _Routes:
                 tracer.end(call, code, response.status_code, message=message)
             return response
         name = adapter or self.info.model  # (vLLM's: the base model under its first served name)
-        responder = Responder(self.runner, tracer, call, parent, reqs, body, name)
+        responder = Responder(self.runner, tracer, call, parent, reqs, body, name, tools)
         if body.stream:
             return EventStream(responder.events(), responder.close, parent.deliver,
                                headers={"x-request-id": parent.request_id})
@@ -195,12 +200,14 @@ class _Routes:
             return openai_params.generate_params(body, adapter, rid, token_ids=prompt)
         return completion_params(body.prompt, body.n or 1, self.runner.max_request_sequences, params_for)
 
-    def _chat_params(self, body: ChatCompletionRequest, adapter: str, rid: str) -> GenerateParams:
+    def _chat_params(self, body: ChatCompletionRequest, adapter: str, rid: str, tools: ToolPlan | None
+                     ) -> GenerateParams:
         """The messages as the model's template writes them, tokenized by prepare without adding special tokens
         (the template writes them) unless add_special_tokens asks."""
         variables = body.chat_template_kwargs
         if body.documents is not None:  # (vLLM passes them to the template as `documents`)
             variables = {**(variables or {}), "documents": body.documents}
         text = render_chat(self.door.chat_template, self.info.model, body.messages, body.add_generation_prompt,
-                           variables, instead="use /v1/completions with a prompt you format yourself")
-        return openai_params.generate_params(body, adapter, rid, text=text)
+                           variables, instead="use /v1/completions with a prompt you format yourself",
+                           tools=body.tools)
+        return openai_params.generate_params(body, adapter, rid, text=text, tools=tools)

@@ -15,6 +15,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from service.errors import FailedPrecondition, FieldViolation, InvalidArgument
+from service.http_api.tool_calls import template_messages
 
 log = logging.getLogger(__name__)
 MAX_QUOTED = 300  # characters of a template's own text (or a name) quoted in a message
@@ -151,7 +152,7 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
 
 
 def render_chat(template: ChatTemplate | None, model: str, messages: list, add_generation_prompt: bool,
-                extra: dict[str, Any] | None, instead: str) -> str:
+                extra: dict[str, Any] | None, instead: str, tools: list[dict[str, Any]] | None = None) -> str:
     """`messages` (protocol.ChatMessage) as the model's template writes them, special tokens included (tokenize
     the text without adding them again). Refused: no template (FAILED_PRECONDITION, saying what to do `instead`),
     a content part other than text, or what the template refuses (INVALID_ARGUMENT on `messages`)."""
@@ -167,7 +168,9 @@ def render_chat(template: ChatTemplate | None, model: str, messages: list, add_g
                                                       "only text content parts are supported")])
             message["content"] = "".join(part["text"] for part in m.content)
         rendered.append(message)
+    if tools:  # (transformers' apply_chat_template(tools=...): the template's `tools`)
+        extra = {**(extra or {}), "tools": tools}
     try:
-        return template.render(rendered, add_generation_prompt, extra)
+        return template.render(template_messages(rendered), add_generation_prompt, extra)
     except ChatTemplateError as e:
         raise InvalidArgument([FieldViolation("messages", str(e))]) from None

@@ -15,6 +15,7 @@ from service.generate_params import FieldNames, GenerateParams
 from service.http_api.errors import HttpError
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from service.http_api.structured import structured_output
+from service.http_api.tool_calls import ToolPlan
 from service.limits import MAX_NAME_CHARS, MAX_REPORTED_BAD_IDS
 
 _NAMES = {"adapter": "model", "stop": "stop[]", "stop_token_ids": "stop_token_ids[]", "max_new_tokens": "max_tokens"}
@@ -51,8 +52,6 @@ NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((), "not supported"),
     "prompt_embeds": ((), "not supported (text or token id prompts)"),
     # chat
-    "tools": ((), "tool calling is not supported"),
-    "tool_choice": (("none", "auto"), "tool calling is not supported"),
     "reasoning_effort": ((), "not supported (no reasoning parser)"),
     "continue_final_message": ((False,), "not supported"),
     "chat_template": ((), "not supported: the model's own chat template is used"),
@@ -111,8 +110,9 @@ def request_id(prefix: str, header: str | None, body_id: str | None = None) -> s
 
 
 def generate_params(body: _Common, adapter: str, request_id: str, *, text: str | None = None,
-                    token_ids: list[int] | None = None) -> GenerateParams:
-    """What a gRPC client would send for this body (one prompt: `text` or `token_ids`)."""
+                    token_ids: list[int] | None = None, tools: ToolPlan | None = None) -> GenerateParams:
+    """What a gRPC client would send for this body (one prompt: `text` or `token_ids`); `tools`: the call's tool
+    plan, whose forced calls are its structured output."""
     if isinstance(body, ChatCompletionRequest):
         max_tokens, names = body.max_tokens, CHAT_NAMES
         if body.max_completion_tokens is not None:
@@ -124,6 +124,12 @@ def generate_params(body: _Common, adapter: str, request_id: str, *, text: str |
         # echo with logprobs: the prompt's log-probabilities too (vLLM's rule)
         prompt_logprobs = body.logprobs if body.echo else None
     constraint = structured_output(body.response_format, body.structured_outputs)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise InvalidArgument([FieldViolation("tool_choice", (
+                f"a forced tool call holds the output to the tool's parameters; drop {constraint[1]} (or use "
+                "tool_choice \"auto\")"))])
+        constraint = (tools.constraint, "tools")
     if constraint is not None:
         names = FieldNames(names.names | {"structured_output": constraint[1]})
     return GenerateParams(

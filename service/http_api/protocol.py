@@ -114,8 +114,8 @@ class ChatCompletionRequest(_Common):
     top_logprobs: TopLogprobs | None = None
     max_completion_tokens: U32 | None = None  # OpenAI's newer name for max_tokens
     tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = "none"
-    parallel_tool_calls: StrictBool | None = True  # no effect without tools
+    tool_choice: StrictStr | dict[str, Any] | None = None  # unset: "auto" with tools and a parser (tool_calls.py)
+    parallel_tool_calls: StrictBool | None = True  # false: "required" makes one call at most
     reasoning_effort: StrictStr | None = None
     include_reasoning: StrictBool = True  # no effect: no reasoning parser
     # vLLM's chat fields

@@ -21,6 +21,8 @@ from service.http_api.logprobs import TextOffsets, chat_logprobs, completion_log
 from service.http_api.prompts import prompt_list
 from service.http_api.protocol import ChatCompletionRequest
 from service.http_api.sse import DONE, event
+from service.http_api.tool_calls import ToolPlan, answer, tool_finish_reason
+from service.http_api.tool_stream import ToolCallStream, ToolDelta
 from service.runner.parent_request import ParentRequest
 from service.runner.request import GenerationRequest, RequestOutput
 from service.runner.scheduler import EngineRunner
@@ -49,9 +51,11 @@ class Responder:
     """One admitted call's answer."""
 
     def __init__(self, runner: EngineRunner, tracer: HttpTracer | None, call: Any, parent: ParentRequest,
-                 requests: list[GenerationRequest], body: Any, model: str):
+                 requests: list[GenerationRequest], body: Any, model: str, tools: ToolPlan | None = None):
         self.runner, self.tracer, self.call, self.parent, self.requests, self.body, self.model = (
             runner, tracer, call, parent, requests, body, model)
+        self.tools = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, with tools
         self.chat = isinstance(body, ChatCompletionRequest)
         self.n = requests[0].n
         self.sampling = requests[0].sampling  # (every prompt's request has the same sampling fields)
@@ -115,6 +119,13 @@ class Responder:
                 return
             if out.finished:
                 self._last[out.index] = out
+            if self.tools is not None:
+                stream = self._tool_streams.setdefault(out.index, ToolCallStream(self.tools))
+                for delta in stream.feed(out.text, out.finished):
+                    choice = self._choice(out, first=out.index not in started, whole=False, delta=delta)
+                    started.add(out.index)
+                    yield event({**self._head(chunk=True), "choices": [choice]})
+                continue
             choice = self._choice(out, first=out.index not in started, whole=False)
             started.add(out.index)
             yield event({**self._head(chunk=True), "choices": [choice]})
@@ -124,12 +135,26 @@ class Responder:
         yield DONE
 
     # --- one choice ------------------------------------------------------------------------------------------
-    def _choice(self, out: RequestOutput, first: bool, whole: bool) -> dict[str, Any]:
+    def _choice(self, out: RequestOutput, first: bool, whole: bool,
+                delta: ToolDelta | None = None) -> dict[str, Any]:
         """A choice of a JSON answer (whole: every output of the choice merged) or of a chunk; `first`: the
         choice's first (echo: the prompt comes first; chat: the role comes with the first token, as vLLM sends
-        it, so that a client timing its first chunk times the first token)."""
+        it, so that a client timing its first chunk times the first token). With tools, a chunk's `delta` is what
+        ToolCallStream released; only its last carries the finish (and the output's logprobs ride the first)."""
         choice: dict[str, Any] = {"index": out.index}
-        if self.chat:
+        reason = finish_reason(out)
+        if self.tools is not None and whole:
+            content, calls = answer(self.tools, out.text)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+                reason = tool_finish_reason(self.tools, reason)
+            choice["logprobs"] = self._chat_logprobs(out) if self.sampling.logprobs else None
+        elif delta is not None:
+            choice["delta"] = ({"role": "assistant"} if first else {}) | delta.fields
+            choice["logprobs"] = self._chat_logprobs(out) if self.sampling.logprobs and delta.first else None
+            reason = tool_finish_reason(self.tools, reason, delta.called) if delta.last else None
+        elif self.chat:
             if whole:
                 choice["message"] = {"role": "assistant", "content": out.text}
             elif first:
@@ -141,8 +166,8 @@ class Responder:
             prompt_text = self._echo_texts[out.index // self.n] if self.echo and first else ""
             choice["text"] = prompt_text + out.text
             choice["logprobs"] = self._completion_logprobs(out, first) if self.sampling.logprobs else None
-        choice["finish_reason"] = finish_reason(out)
-        if whole or out.finished:
+        choice["finish_reason"] = reason
+        if whole or (out.finished and (delta is None or delta.last)):
             choice["stop_reason"] = stop_reason(out)
         if self.body.return_token_ids:
             choice["token_ids"] = out.token_ids

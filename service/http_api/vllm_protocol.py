@@ -67,8 +67,6 @@ def unsupported_fields(body: _Body) -> list[FieldViolation]:
             bad.append(FieldViolation("continue_final_message", "not supported"))
         if body.chat_template is not None:
             bad.append(FieldViolation("chat_template", "not supported: the model's own chat template is used"))
-        if body.tools:
-            bad.append(FieldViolation("tools", "tool calling is not supported"))
         for name in ("media_io_kwargs", "mm_processor_kwargs"):
             if getattr(body, name):
                 bad.append(FieldViolation(name, "not supported (text-only models)"))

@@ -123,7 +123,8 @@ class _VllmRoutes:
             if isinstance(body, TokenizeChatRequest):
                 field = "messages"
                 text = render_chat(self.door.chat_template, info.model, body.messages, body.add_generation_prompt,
-                                   body.chat_template_kwargs, instead="send a 'prompt' you format yourself")
+                                   body.chat_template_kwargs, instead="send a 'prompt' you format yourself",
+                                   tools=body.tools)
             else:
                 field, text = "prompt", body.prompt
             self.door.preparer.note_input(len(text))
