@@ -78,6 +78,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="read the model's tool calls for tool_choice \"auto\" (hermes: <tool_call> JSON blocks, as "
                         "Qwen2.5/Qwen3 and Hermes templates write them); without it \"auto\" is refused")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (vLLM's flag; for models without one)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: \"auto\" is on wherever --tool-call-parser is set")
     p.add_argument("--host", default=server_defaults.host,
@@ -302,7 +304,7 @@ def _server_config(args: argparse.Namespace):
                         limits=limits, security=security, http_port=args.http_port or None,
                         connections=_connection_limits(args), metrics_prefix=args.metrics_prefix,
                         served_model_names=tuple(args.served_model_name), logs=log_config(args),
-                        tool_call_parser=args.tool_call_parser, **replica)
+                        tool_call_parser=args.tool_call_parser, chat_template=args.chat_template, **replica)
 
 
 def _engine_config(args: argparse.Namespace, model: str):

@@ -17,7 +17,7 @@ from lora_compile import Engine
 from service.connections import ConnectionLimits, raise_open_files_limit
 from service.grpc_api.server import GrpcServer
 from service.http_api.app import HttpDoor, create_app
-from service.http_api.chat_template import load_chat_template
+from service.chat_template import load_chat_template
 from service.http_api.server import HttpServer
 from service.lifecycle import ServingState
 from service.limits import RequestLimits
@@ -78,6 +78,7 @@ class ServerConfig:
     logs: LogConfig = LogConfig()
     # How tool_choice "auto" reads the model's calls (service/http_api/tool_calls.py); None: "auto" is refused.
     tool_call_parser: str | None = None
+    chat_template: str | None = None  # --chat-template FILE: instead of the model's (vLLM's flag)
 
     def __post_init__(self) -> None:
         if any(not name or not name.isprintable() for name in self.served_model_names):
@@ -109,8 +110,10 @@ class LoraServer:
                              if logs.log_stats else None)
         observers = [o for o in (self.observer, self.metrics, self.access_log, self.stats_logger) if o is not None]
         self.runner.observer = observers[0] if len(observers) == 1 else ObserverGroup(observers) if observers else None
+        # One chat template for both doors (--chat-template, else the model's).
+        self.chat_template = load_chat_template(self.runner.model_dir, config.chat_template)
         self.grpc = GrpcServer(
-            self.runner, self.preparer, limits=config.limits, security=config.security,
+            self.runner, self.preparer, chat_template=self.chat_template, limits=config.limits, security=config.security,
             connections=config.connections, replica_id=config.replica_id, state=lambda: self.state,
             doors=self.doors, tracing=TracingInterceptor(telemetry, self.observer) if telemetry is not None else None)
         self.port: int | None = None
@@ -128,7 +131,7 @@ class LoraServer:
         door = HttpDoor(
             runner=self.runner, preparer=self.preparer, security=self.config.security,
             state=lambda: self.state, metrics=self.metrics, max_body_bytes=self.config.limits.max_message_bytes,
-            chat_template=load_chat_template(self.runner.model_dir), tool_call_parser=self.config.tool_call_parser,
+            chat_template=self.chat_template, tool_call_parser=self.config.tool_call_parser,
             tracer=HttpTracer(self.telemetry, self.observer) if self.telemetry is not None else None,
             replica_id=self.config.replica_id, host=self.config.host)
         if door.chat_template is None:

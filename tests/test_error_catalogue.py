@@ -33,6 +33,12 @@ def _ids(ids: list[int], **fields) -> pb.GenerateRequest:
     return _request(None, token_ids__ids=ids, **fields)
 
 
+def _chat() -> pb.GenerateRequest:
+    request = _request(None)
+    request.chat.messages.add(role="user", content="Hi")
+    return request
+
+
 def _biased(logit_bias: dict[int, float]) -> pb.GenerateRequest:
     request = _request()
     request.sampling.logit_bias.update(logit_bias)
@@ -128,6 +134,8 @@ GENERATE_CASES: dict[str, Case] = {
                 ("response.prompt_logprobs",)),
     "G52": Case(_request(structured_output__json_schema='{"type": "nonsense"}'), INVALID,
                 "structured_output: does not compile: Invalid type: nonsense", ("structured_output",)),
+    "G53": Case(_chat(), PRECONDITION, "has no chat template (tokenizer_config.json has no chat_template); send "
+                "text you format yourself"),
 }
 
 # Entries checked by other tests (test file :: test name).

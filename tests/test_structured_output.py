@@ -19,7 +19,7 @@ from service.client import InvalidArgumentError
 from service.server import ServerConfig
 from tests.checkpoints import write_chat_template
 from tests.conftest import build_engine
-from tests.service_harness import ServerThread, build_engine as service_engine, demo_paths, openai_client
+from tests.service_harness import ServerThread, build_engine as service_engine, demo_paths, openai_client, shared_engine
 from tests.test_http_api import CHAT_TEMPLATE
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n", "tags"],
@@ -187,3 +187,39 @@ def test_lora_client_cli_flags(served, tmp_path, capsys):
 def client(served):
     with openai_client(served) as c:
         yield c
+
+
+def test_grpc_chat_renders_the_template_as_the_http_door(served, client):
+    """GenerateRequest.chat: the same template rendering as /v1/chat/completions (greedy: the same tokens), a
+    structured output on it too; without a template, FAILED_PRECONDITION naming what to do."""
+    from service.client import FailedPreconditionError
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    http = client.chat.completions.create(model="pirate", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    with served.client() as sdk:
+        done = sdk.complete(messages, adapter="pirate", max_new_tokens=8, ignore_eos=True)
+        assert done.token_ids == http.choices[0].model_extra["token_ids"] and done.text == http.choices[0].message.content
+        assert sdk.complete(messages, choice=CITIES, temperature=1.0, seed=1).text in CITIES
+    plain = ServerThread(shared_engine(), ServerConfig(port=0))  # the demo model: no chat template
+    try:
+        with plain.client() as sdk, pytest.raises(FailedPreconditionError, match="has no chat template"):
+            sdk.complete(messages, max_new_tokens=2)
+    finally:
+        plain.stop()
+
+
+def test_chat_template_flag(tmp_path):
+    """--chat-template FILE gives a model without a template one (both doors); an unreadable one stops the start."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}assistant>")
+    server = ServerThread(shared_engine(), ServerConfig(port=0, http_port=0, chat_template=str(template)))
+    try:
+        with server.client() as sdk:
+            done = sdk.complete([{"role": "user", "content": "Hi"}], max_new_tokens=3, ignore_eos=True)
+        ids = shared_engine().tokenizer.encode("user> Hi\nassistant>", add_special_tokens=False)
+        assert done.usage.prompt_tokens == len(ids)
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="--chat-template .*cannot be read"):
+        ServerThread(shared_engine(), ServerConfig(port=0, chat_template=str(tmp_path / "missing.jinja")))

@@ -113,7 +113,8 @@ class ModelInfo:
 
 # --- proto conversions (shared by both clients) -----------------------------------------------------
 def build_generate_request(
-    prompt: str | Sequence[int], *, adapter: str | None = None, max_new_tokens: int | None = None,
+    prompt: str | Sequence[int] | Sequence[Mapping], *, adapter: str | None = None,
+    max_new_tokens: int | None = None,
     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
     min_p: float | None = None, seed: int | None = None, repetition_penalty: float | None = None,
     presence_penalty: float | None = None, frequency_penalty: float | None = None,
@@ -123,13 +124,23 @@ def build_generate_request(
     json_schema: Mapping | str | None = None, json_object: bool = False, regex: str | None = None,
     choice: Sequence[str] | None = None, grammar: str | None = None,
 ) -> pb.GenerateRequest:
-    """None leaves a field unset (server default); text prompts are tokenized by the server. `logit_bias`: token
+    """None leaves a field unset (server default); text prompts are tokenized by the server; a list of OpenAI chat
+    messages ({"role": ..., "content": ...}) is rendered with the model's chat template. `logit_bias`: token
     id -> bias added to its logit; `n`: choices from the one prompt (each chunk's `index` says which);
     `prompt_logprobs`: the prompt's log-probabilities and top k (in the first chunk). At most one of
     `json_schema` (a dict or its JSON text), `json_object`, `regex`, `choice`, `grammar`: the output held to it."""
     req = pb.GenerateRequest(request_id=request_id, adapter=adapter or "")
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):  # OpenAI's chat messages: the server's template renders them
+        req.chat.SetInParent()
+        for m in prompt:
+            msg = req.chat.messages.add(role=m["role"], content=m.get("content") or "", name=m.get("name") or "",
+                                        tool_call_id=m.get("tool_call_id") or "")
+            for c in m.get("tool_calls") or ():
+                fn = c["function"]
+                args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
+                msg.tool_calls.add(id=c.get("id", ""), name=fn["name"], arguments=args)
     else:
         req.token_ids.ids.extend(prompt)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),

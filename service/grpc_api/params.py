@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from service._proto import pb
 from service.generate_params import FieldNames, GenerateParams
@@ -38,6 +39,26 @@ def from_proto(request: pb.GenerateRequest) -> GenerateParams:
         ignore_eos=stopping.ignore_eos, logprobs=response.logprobs, top_logprobs=response.top_logprobs,
         **optional,
     )
+
+
+def chat_messages(chat: pb.Chat) -> list[dict[str, Any]]:
+    """OpenAI's message dicts, as the HTTP door gives the chat template (unset fields left out)."""
+    out = []
+    for m in chat.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        out.append(message)
+    return out
+
+
+def add_generation_prompt(chat: pb.Chat) -> bool:
+    return chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
 
 
 def _structured_output(request: pb.GenerateRequest) -> tuple[str, str] | None:

@@ -10,6 +10,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from service._proto import pb, pb_grpc
+from service.chat_template import ChatTemplate
 from service.connections import ConnectionLimits
 from service.grpc_api.interceptors import ErrorInterceptor
 from service.grpc_api.reflection import enable_reflection
@@ -30,7 +31,7 @@ class GrpcServer:
 
     def __init__(self, runner: EngineRunner, preparer: Preparer, *, limits: RequestLimits, security: SecurityConfig,
                  connections: ConnectionLimits, replica_id: str, state: Callable[[], ServingState], doors: int,
-                 tracing: TracingInterceptor | None = None):
+                 tracing: TracingInterceptor | None = None, chat_template: ChatTemplate | None = None):
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         tracers = [tracing] if tracing is not None else []
@@ -43,7 +44,8 @@ class GrpcServer:
                        if limits.max_streams_per_connection else []),
                      *connections.grpc_options(doors=doors)],
         )
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(runner, preparer, replica_id), self._server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(runner, preparer, replica_id, chat_template),
+                                                 self._server)
         pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runner), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection((*SERVICE_NAMES, health.SERVICE_NAME), self._server)

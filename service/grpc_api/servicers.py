@@ -2,17 +2,20 @@
 the interceptor turns what they raise into statuses."""
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from service._proto import pb, pb_grpc
 from service.adapter_management import AdapterManagement
+from service.chat_template import ChatTemplate, render_chat
 from service.affinity import (
     ADAPTER_ID_HEADER,
     REPLICA_ID_HEADER,
     adapter_header_problem,
 )
 from service.errors import FieldViolation, InvalidArgument
-from service.grpc_api.params import from_proto
+from service.grpc_api.params import add_generation_prompt, chat_messages, from_proto
 from service.prepare import Preparer
 from service.runner.request import RequestOutput
 from service.runner.scheduler import EngineRunner
@@ -25,8 +28,10 @@ _TIERS = {"disk": pb.ADAPTER_TIER_DISK, "host": pb.ADAPTER_TIER_HOST, "device": 
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, runner: EngineRunner, preparer: Preparer, replica_id: str = ""):
+    def __init__(self, runner: EngineRunner, preparer: Preparer, replica_id: str = "",
+                 chat_template: ChatTemplate | None = None):
         self._runner = runner
+        self._chat_template = chat_template  # the HTTP door's too: one rendering for both
         self._preparer = preparer  # shared with the HTTP door: tokenizing, every limit, the adapter check
         self._replica_metadata = ((REPLICA_ID_HEADER, replica_id),) if replica_id else ()
         self._model = runner.model_info()
@@ -35,7 +40,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self._replica_metadata:  # first, so a refusal below also names the replica that refused
             await context.send_initial_metadata(self._replica_metadata)
         self._check_adapter_header(request, context)
-        req = await self._preparer.prepare(from_proto(request))
+        params = from_proto(request)
+        if request.WhichOneof("input") == "chat":
+            text = render_chat(self._chat_template, self._model.model, chat_messages(request.chat),
+                               add_generation_prompt(request.chat), None, field="chat.messages",
+                               instead="send text you format yourself")
+            params = dataclasses.replace(params, text=text, add_special_tokens=False)
+        req = await self._preparer.prepare(params)
         parent = self._runner.add_parent_request([req])
         # Cancellation, deadline or a closed stream: the runner drops every choice within one step.
         context.add_done_callback(lambda _ctx: self._runner.abort(parent))

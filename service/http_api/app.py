@@ -14,18 +14,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.affinity import REPLICA_ID_HEADER
+from service.chat_template import ChatTemplate, render_chat
 from service.errors import InvalidArgument, NotFound, Unavailable
 from service.http_api import openai_params, vllm_routes
-from service.http_api.chat_template import ChatTemplate, render_chat
-from service.http_api.tool_calls import ToolPlan, plan_tools
 from service.http_api.errors import error_body, error_response, grpc_status
 from service.http_api.hosts import HostCheck, HostPolicy
 from service.http_api.model_cards import model_cards
-from service.http_api.protocol import ChatCompletionRequest, CompletionRequest
+from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, dumped
 from service.http_api.prompts import completion_params, prepare_all
 from service.http_api.request_checks import authorize, read_body, require_json
 from service.http_api.responses import Responder
 from service.http_api.sse import EventStream, until_disconnect
+from service.http_api.tool_calls import ToolPlan, plan_tools
 from service.generate_params import GenerateParams
 from service.lifecycle import ServingState
 from service.prepare import Preparer
@@ -207,7 +207,7 @@ class _Routes:
         variables = body.chat_template_kwargs
         if body.documents is not None:  # (vLLM passes them to the template as `documents`)
             variables = {**(variables or {}), "documents": body.documents}
-        text = render_chat(self.door.chat_template, self.info.model, body.messages, body.add_generation_prompt,
+        text = render_chat(self.door.chat_template, self.info.model, dumped(body.messages), body.add_generation_prompt,
                            variables, instead="use /v1/completions with a prompt you format yourself",
                            tools=body.tools)
         return openai_params.generate_params(body, adapter, rid, text=text, tools=tools)

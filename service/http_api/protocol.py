@@ -108,6 +108,11 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[dict[str, Any]] | None = None
 
 
+def dumped(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (what the client sent, nulls left out)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: StrictBool = False

@@ -100,27 +100,6 @@ def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return params
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls with their arguments as objects, as templates write them (vLLM does the same)."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if isinstance(calls, list):
-            m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
-        out.append(m)
-    return out
-
-
-def _with_object_arguments(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-        try:
-            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-        except ValueError:
-            pass  # (the template gets the text as sent)
-    return call
-
-
 def new_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}

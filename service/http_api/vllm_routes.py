@@ -19,10 +19,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lora_compile.errors import AdapterError, AdapterNameError, AdapterPathError
 from service.adapter_management import AdapterManagement
+from service.chat_template import render_chat
 from service.errors import FieldViolation, InvalidArgument, Unavailable
-from service.http_api.chat_template import render_chat
 from service.http_api.errors import HttpError, error_body, error_response
 from service.http_api.model_cards import model_cards
+from service.http_api.protocol import dumped
 from service.http_api.request_checks import authorize, read_body, require_json
 from service.http_api.vllm_protocol import (
     DetokenizeRequest,
@@ -122,7 +123,7 @@ class _VllmRoutes:
             info = self.runner.model_info()
             if isinstance(body, TokenizeChatRequest):
                 field = "messages"
-                text = render_chat(self.door.chat_template, info.model, body.messages, body.add_generation_prompt,
+                text = render_chat(self.door.chat_template, info.model, dumped(body.messages), body.add_generation_prompt,
                                    body.chat_template_kwargs, instead="send a 'prompt' you format yourself",
                                    tools=body.tools)
             else:

@@ -15,7 +15,6 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from service.errors import FailedPrecondition, FieldViolation, InvalidArgument
-from service.http_api.tool_calls import template_messages
 
 log = logging.getLogger(__name__)
 MAX_QUOTED = 300  # characters of a template's own text (or a name) quoted in a message
@@ -116,10 +115,11 @@ def _path_to(target: Any, value: Any, path: str = "messages", depth: int = 4) ->
     return None
 
 
-def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
-    """The template of `model_dir`, or None when it has none (the chat endpoint then answers 400).
+def load_chat_template(model_dir: str | Path, override: str | Path | None = None) -> ChatTemplate | None:
+    """The template of `model_dir`, or None when it has none (chat then answers 400 / FAILED_PRECONDITION).
     transformers' places: tokenizer_config.json `chat_template` (a string, or a list of named templates:
-    "default" is used), then chat_template.jinja beside it."""
+    "default" is used), then chat_template.jinja beside it. `override` (--chat-template FILE, as vLLM's) is used
+    instead; one that cannot be read or parsed is a ValueError (the server does not start)."""
     model_dir = Path(model_dir)
     config: dict[str, Any] = {}
     path = model_dir / "tokenizer_config.json"
@@ -130,6 +130,12 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
             log.warning("%s: cannot be read (%s); chat completions are off", path, e)
             return None
     source = config.get("chat_template")
+    if override is not None:
+        path = Path(override)
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {path}: cannot be read ({e})") from None
     if isinstance(source, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
@@ -147,30 +153,55 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
     try:
         return ChatTemplate(source, special)
     except jinja2.exceptions.TemplateSyntaxError as e:
+        if override is not None:
+            raise ValueError(f"--chat-template {path}: does not parse ({e})") from None
         log.warning("%s: the chat template does not parse (%s); chat completions are off", path, e)
         return None
 
 
-def render_chat(template: ChatTemplate | None, model: str, messages: list, add_generation_prompt: bool,
-                extra: dict[str, Any] | None, instead: str, tools: list[dict[str, Any]] | None = None) -> str:
-    """`messages` (protocol.ChatMessage) as the model's template writes them, special tokens included (tokenize
-    the text without adding them again). Refused: no template (FAILED_PRECONDITION, saying what to do `instead`),
-    a content part other than text, or what the template refuses (INVALID_ARGUMENT on `messages`)."""
+def render_chat(template: ChatTemplate | None, model: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                extra: dict[str, Any] | None, instead: str, tools: list[dict[str, Any]] | None = None,
+                field: str = "messages") -> str:
+    """`messages` (OpenAI's, as dicts; either door's) as the model's template writes them, special tokens included
+    (tokenize the text without adding them again). Refused: no template (FAILED_PRECONDITION, saying what to do
+    `instead`), a content part other than text, or what the template refuses (INVALID_ARGUMENT on `field`)."""
     if template is None:
         raise FailedPrecondition(
             f"model {model!r} has no chat template (tokenizer_config.json has no chat_template); {instead}")
     rendered = []
-    for i, m in enumerate(messages):
-        message = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):  # content parts: text only
-            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in m.content):
-                raise InvalidArgument([FieldViolation(f"messages[{i}].content",
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if any(not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str)
+                   for part in content):
+                raise InvalidArgument([FieldViolation(f"{field}[{i}].content",
                                                       "only text content parts are supported")])
-            message["content"] = "".join(part["text"] for part in m.content)
+            message = {**message, "content": "".join(part["text"] for part in content)}
         rendered.append(message)
     if tools:  # (transformers' apply_chat_template(tools=...): the template's `tools`)
         extra = {**(extra or {}), "tools": tools}
     try:
         return template.render(template_messages(rendered), add_generation_prompt, extra)
     except ChatTemplateError as e:
-        raise InvalidArgument([FieldViolation("messages", str(e))]) from None
+        raise InvalidArgument([FieldViolation(field, str(e))]) from None
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls with their arguments as objects, as templates write them (vLLM does the same)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _with_object_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+        except ValueError:
+            pass  # (the template gets the text as sent)
+    return call
