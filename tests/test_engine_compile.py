@@ -203,7 +203,7 @@ def test_inductor_cache_directory_is_used(compiled_engines):
     assert engine.model._run_layers.directory == Path(INDUCTOR_CACHE) / "lora-serve-stacks"
 
 
-@pytest.mark.parametrize("max_loras", [1, 2])
+@pytest.mark.parametrize("max_loras", [1])  # (2, like the suite engines' 3, adds a compile and nothing else)
 def test_small_slot_counts_warm_up_and_never_recompile(models, adapters, max_loras):
     """With 1 or 2 slots, warm-up's two variants (base, adapters) serve every mix: no graph per slot count."""
     names = list(adapters["llama"])[:max_loras]

@@ -34,7 +34,7 @@ LOAD, UNLOAD = "/loraserve.v1.Adapters/LoadAdapter", "/loraserve.v1.Adapters/Unl
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_DIR = Path(os.environ.get("LORA_SERVE_RELIABILITY_DIR", ROOT / ".cache" / "reliability"))
-EXAMPLES = int(os.environ.get("LORA_SERVE_FUZZ_EXAMPLES", "1200"))
+EXAMPLES = int(os.environ.get("LORA_SERVE_FUZZ_EXAMPLES", "800"))
 LIMITS = RequestLimits(max_new_tokens=4, max_prompt_tokens=128)  # small answers keep the run short
 C = grpc.StatusCode
 GENERATE_STATUSES = {C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.RESOURCE_EXHAUSTED}  # documented, client-caused

@@ -32,7 +32,7 @@ from tests.service_harness import ServerThread, shared_engine, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_DIR = Path(os.environ.get("LORA_SERVE_RELIABILITY_DIR", ROOT / ".cache" / "reliability"))
-WAVES = int(os.environ.get("LORA_SERVE_SOAK_WAVES", "8"))
+WAVES = int(os.environ.get("LORA_SERVE_SOAK_WAVES", "4"))
 STREAMS_PER_WAVE = int(os.environ.get("LORA_SERVE_SOAK_STREAMS", "250"))
 MAX_NEW_TOKENS = 24
 # RSS after vs before (after a warm-up wave): allocator arenas and grpc's buffers do not all go back to the
