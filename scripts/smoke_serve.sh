@@ -20,6 +20,9 @@ done
 out="$(client generate "Once upon a time" --adapter poet --max-new-tokens 8)"
 [ -n "$out" ] || { echo "smoke: empty generation"; exit 1; }
 echo "smoke: generated: $out"
+choice="$(client generate "Capital of France?" --choice Paris --choice London --temperature 1 --seed 1 | head -1)"
+case "$choice" in Paris|London) ;; *) echo "smoke: --choice gave '$choice'"; exit 1;; esac
+echo "smoke: structured output: $choice"
 kill -TERM "$pid"
 status=0; wait "$pid" || status=$?
 [ "$status" -eq 0 ] || { echo "smoke: lora-serve exited with $status after SIGTERM"; tail -20 "$log"; exit 1; }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import shutil
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -35,6 +36,17 @@ def shared_engine() -> Engine:
     """One engine for every service test module (eager keeps the suite fast)."""
     model, adapters = demo_paths()
     return build_engine(model, adapters)
+
+
+def chat_server(root: Path, template: str, config: ServerConfig | None = None) -> ServerThread:
+    """The demo model copied under `root` with a chat template (it has none), its pirate adapter, both doors."""
+    from tests.checkpoints import write_chat_template
+
+    model, adapters = demo_paths()
+    copy = root / "demo-chat"
+    shutil.copytree(model, copy)
+    write_chat_template(copy, template)
+    return ServerThread(build_engine(copy, {"pirate": adapters["pirate"]}), config or ServerConfig(port=0, http_port=0))
 
 
 def build_engine(model: Path, adapters: dict[str, Path], **limits: Any) -> Engine:

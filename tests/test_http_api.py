@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import threading
 
 import grpc
@@ -15,12 +14,10 @@ from service._proto import pb, pb_grpc
 from service.limits import RequestLimits
 from service.runner.observer_group import ObserverGroup
 from service.server import ServerConfig
-from tests.checkpoints import write_chat_template
 from tests.http_wire import metric_value, metrics, post
 from tests.service_harness import (
     ServerThread,
-    build_engine,
-    demo_paths,
+    chat_server,
     make_request,
     openai_client,
     shared_engine,
@@ -47,11 +44,7 @@ def served():
 @pytest.fixture(scope="module")
 def chat_served(tmp_path_factory):
     """A copy of the demo model with a chat template (the demo model has none)."""
-    model, adapters = demo_paths()
-    copy = tmp_path_factory.mktemp("chat-model") / "demo-chat"
-    shutil.copytree(model, copy)
-    write_chat_template(copy, CHAT_TEMPLATE)
-    server = ServerThread(build_engine(copy, {"pirate": adapters["pirate"]}), ServerConfig(port=0, http_port=0))
+    server = chat_server(tmp_path_factory.mktemp("chat-model"), CHAT_TEMPLATE)
     yield server
     server.stop()
 

@@ -9,7 +9,6 @@ left to time out."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,9 +24,7 @@ from langchain_openai import ChatOpenAI, OpenAI  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from lora_compile import SamplingParams  # noqa: E402
-from service.server import ServerConfig  # noqa: E402
-from tests.checkpoints import write_chat_template  # noqa: E402
-from tests.service_harness import ServerThread, build_engine, demo_paths, wait_for  # noqa: E402
+from tests.service_harness import ServerThread, chat_server, wait_for  # noqa: E402
 
 NEW_TOKENS = 8
 PROMPTS = ["Once upon a time", "The river ran", "A poet wrote"]
@@ -66,11 +63,7 @@ def loopback_only():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The demo model with a chat template, and the pirate adapter."""
-    model, adapters = demo_paths()
-    copy = tmp_path_factory.mktemp("clients-model") / "demo-chat"
-    shutil.copytree(model, copy)
-    write_chat_template(copy, CHAT_TEMPLATE)
-    server = ServerThread(build_engine(copy, {"pirate": adapters["pirate"]}), ServerConfig(port=0, http_port=0))
+    server = chat_server(tmp_path_factory.mktemp("clients-model"), CHAT_TEMPLATE)
     yield server
     server.stop()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import random
 import re
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,9 +14,8 @@ import pytest
 
 from service.cli import byte_size, serve_parser
 from service.server import ServerConfig
-from tests.checkpoints import write_chat_template
 from tests.http_wire import metric_value, metrics, post
-from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, wait_for
+from tests.service_harness import BackgroundStream, ServerThread, build_engine, chat_server, demo_paths, wait_for
 
 PICKER = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "inference-gateway" / "inferencepool.yaml"
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -26,11 +24,7 @@ CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['co
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A copy of the demo model with a chat template (the demo model has none), so both HTTP endpoints run."""
-    model, adapters = demo_paths()
-    copy = tmp_path_factory.mktemp("kv-model") / "demo-kv"
-    shutil.copytree(model, copy)
-    write_chat_template(copy, CHAT_TEMPLATE)
-    server = ServerThread(build_engine(copy, {"pirate": adapters["pirate"]}), ServerConfig(port=0, http_port=0))
+    server = chat_server(tmp_path_factory.mktemp("kv-model"), CHAT_TEMPLATE)
     yield server
     server.stop()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import jsonschema
 import openai
@@ -17,9 +16,8 @@ from lora_compile import SamplingParams
 from lora_compile.structured_output import GrammarError, StructuredOutput
 from service.client import InvalidArgumentError
 from service.server import ServerConfig
-from tests.checkpoints import write_chat_template
 from tests.conftest import build_engine
-from tests.service_harness import ServerThread, build_engine as service_engine, demo_paths, openai_client, shared_engine
+from tests.service_harness import ServerThread, chat_server, openai_client, shared_engine
 from tests.test_http_api import CHAT_TEMPLATE
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n", "tags"],
@@ -94,11 +92,7 @@ def test_a_spec_that_does_not_compile_is_refused(models, spec, problem):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The demo model with a chat template, and one adapter."""
-    model, adapters = demo_paths()
-    copy = tmp_path_factory.mktemp("chat-model") / "demo-chat"
-    shutil.copytree(model, copy)
-    write_chat_template(copy, CHAT_TEMPLATE)
-    server = ServerThread(service_engine(copy, {"pirate": adapters["pirate"]}), ServerConfig(port=0, http_port=0))
+    server = chat_server(tmp_path_factory.mktemp("structured"), CHAT_TEMPLATE)
     yield server
     server.stop()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import jsonschema
 import openai
@@ -21,9 +20,8 @@ from langchain_openai import ChatOpenAI  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from service.server import ServerConfig  # noqa: E402
-from tests.checkpoints import write_chat_template  # noqa: E402
 from tests.http_wire import post  # noqa: E402
-from tests.service_harness import ServerThread, build_engine, demo_paths, openai_client, shared_engine  # noqa: E402
+from tests.service_harness import ServerThread, chat_server, openai_client, shared_engine  # noqa: E402
 
 # A hermes-style template: the tools in a system line, assistant calls as <tool_call> JSON, tool results.
 TOOLS_TEMPLATE = (
@@ -47,12 +45,8 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model, adapters = demo_paths()
-    copy = tmp_path_factory.mktemp("tools-model") / "demo-tools"
-    shutil.copytree(model, copy)
-    write_chat_template(copy, TOOLS_TEMPLATE)
-    server = ServerThread(build_engine(copy, {"pirate": adapters["pirate"]}),
-                          ServerConfig(port=0, http_port=0, tool_call_parser="hermes"))
+    server = chat_server(tmp_path_factory.mktemp("tools"), TOOLS_TEMPLATE,
+                         ServerConfig(port=0, http_port=0, tool_call_parser="hermes"))
     yield server
     server.stop()
 
