@@ -67,8 +67,7 @@ class StructuredOutput:
 
 
 class GrammarCompiler:
-    """One per engine: the tokenizer as llguidance sees it (built once; ~1 s for a 128K vocabulary) and the
-    compiled specs. Thread-safe: the service compiles from its own thread while the engine copies."""
+    """One per engine: the tokenizer as llguidance sees it (built once, on first use) and the compiled specs. Thread-safe: the service compiles from its own thread while the engine copies."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
