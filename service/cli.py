@@ -77,7 +77,8 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="accepted for vLLM's command lines: LoRA is always on")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="read the model's tool calls for tool_choice \"auto\" (hermes: <tool_call> JSON blocks, as "
-                        "Qwen2.5/Qwen3 and Hermes templates write them); without it \"auto\" is refused")
+                        "Qwen2.5/Qwen3 and Hermes templates write them; llama3_json: Llama 3.x's JSON calls); "
+                        "without it \"auto\" is refused")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's (vLLM's flag; for models without one)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -117,6 +117,30 @@ def test_openai_sdk_response_format_and_parse(served, client):
         assert isinstance(json.loads(out.choices[0].text), dict)
 
 
+def test_async_openai_client_parse(served):
+    """The asyncio client: chat.completions.parse and a streamed constrained completion, several at once."""
+    import asyncio
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="unused",
+                                      max_retries=0, timeout=60) as sdk:
+            async def parse(seed: int) -> Person:
+                done = await sdk.chat.completions.parse(model="pirate", messages=[{"role": "user", "content": "?"}],
+                                                        response_format=Person, max_tokens=200, temperature=1.0,
+                                                        seed=seed)
+                return done.choices[0].message.parsed
+
+            async def stream() -> str:
+                chunks = await sdk.completions.create(model="", prompt="Capital?", max_tokens=20, stream=True,
+                                                      extra_body={"structured_outputs": {"choice": CITIES}})
+                return "".join([c.choices[0].text async for c in chunks])
+
+            return await asyncio.gather(parse(1), parse(2), stream())
+
+    first, second, city = asyncio.run(main())
+    assert isinstance(first, Person) and isinstance(second, Person) and city in CITIES
+
+
 def test_vllm_structured_outputs_choice_regex_and_json(served, client):
     """vLLM's structured_outputs field, streamed and not: the guided_choice case that came back as free text."""
     for i in range(4):

@@ -153,6 +153,31 @@ def test_auto_parses_hermes_calls(served, client):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
 
 
+def test_auto_parses_llama3_json_calls(tmp_path):
+    """--tool-call-parser llama3_json: an answer that is a {"name", "parameters"} object is a call (held to that
+    form by a JSON schema here), streamed or not; a text answer stays content."""
+    server = chat_server(tmp_path, TOOLS_TEMPLATE, ServerConfig(port=0, http_port=0, tool_call_parser="llama3_json"))
+    call_form = {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                 "properties": {"name": {"const": "get_time"}, "parameters": CLOCK}}
+    extra = {"structured_outputs": {"json": call_form}}
+    try:
+        with openai_client(server) as sdk:
+            done = sdk.chat.completions.create(model="", messages=ASK, tools=TOOLS, temperature=1.0, seed=3,
+                                               max_tokens=100, extra_body=extra)
+            (call,) = done.choices[0].message.tool_calls
+            assert (call.function.name, done.choices[0].finish_reason) == ("get_time", "tool_calls")
+            _valid(call)
+            calls, finish = _streamed_calls(sdk.chat.completions.create(
+                model="", messages=ASK, tools=TOOLS, temperature=1.0, seed=3, max_tokens=100, extra_body=extra,
+                stream=True))
+            assert finish == "tool_calls" and calls[0]["arguments"] == call.function.arguments
+            plain = sdk.chat.completions.create(model="", messages=ASK, tools=TOOLS, max_tokens=20,
+                                                extra_body={"structured_outputs": {"choice": ["It is noon."]}})
+            assert (plain.choices[0].message.content, plain.choices[0].message.tool_calls) == ("It is noon.", None)
+    finally:
+        server.stop()
+
+
 class Weather(pydantic.BaseModel):
     """The weather in a city."""
 

@@ -8,7 +8,9 @@
   - unset with tools: "auto" where the server has a `--tool-call-parser`, else "none" (vLLM refuses "auto"
     without one; an unset choice is not refused, so a client that always sends its tools still works);
   - "auto": free text, then the parser's calls (hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-    blocks, as Qwen2.5/Qwen3 and Hermes templates ask for); the text before the first call is the content;
+    blocks, as Qwen2.5/Qwen3 and Hermes templates ask for, the text before the first call being the content;
+    llama3_json: an answer that is `{"name": ..., "parameters": {...}}` objects, `;`-separated, after an optional
+    `<|python_tag|>`, as Llama 3.1-3.3 templates ask for);
   - "required": the output is held to a JSON list of calls, each a tool's name and parameters valid for it
     (vLLM's form), so it always parses;
   - {"type": "function", "function": {"name": N}}: the output is held to N's parameters; it is the arguments.
@@ -25,7 +27,7 @@ from typing import Any
 
 from service.errors import FieldViolation, InvalidArgument
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -38,6 +40,7 @@ class ToolPlan:
     names: tuple[str, ...]                     # the tools' names
     constraint: tuple[str, str] | None = None  # the structured output that forces the calls
     named: str | None = None
+    parser: str | None = None                  # "auto": how calls are read from the text
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
@@ -57,7 +60,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
             raise InvalidArgument([FieldViolation("tool_choice", (
                 "\"auto\" needs a tool call parser: start the server with --tool-call-parser hermes (or send "
                 "tool_choice \"required\" or a named function, which need none)"))])
-        return ToolPlan("auto", tuple(params))
+        return ToolPlan("auto", tuple(params), parser=parser)
     if choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
@@ -115,7 +118,7 @@ def answer(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]
         except ValueError:  # cut short by max_tokens: the text as it is
             return text, []
         return None, [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-    return parse_hermes(text, plan.names)
+    return PARSERS[plan.parser](text, plan.names)
 
 
 def parse_hermes(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -138,6 +141,31 @@ def parse_hermes(text: str, names: tuple[str, ...]) -> tuple[str | None, list[di
         return text, []
     content = text[:start].strip()
     return content or None, calls
+
+
+def parse_llama3_json(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Llama 3.x's JSON calls: the whole answer is `{"name": ..., "parameters": {...}}` objects separated by `;`
+    (vLLM's llama3_json), after an optional <|python_tag|> (a special token: left out of the text anyway). Anything
+    else, or an object that is not such a call, leaves the text as content."""
+    rest = text.strip().removeprefix(LLAMA3_START).lstrip()
+    if not rest.startswith("{"):
+        return text, []
+    decoder, calls = json.JSONDecoder(), []
+    while rest:
+        try:
+            call, end = decoder.raw_decode(rest)
+        except ValueError:
+            return text, []
+        args = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+        if call.get("name") not in names or not isinstance(args, dict):
+            return text, []
+        calls.append(new_call(call["name"], json.dumps(args, ensure_ascii=False)))
+        rest = rest[end:].lstrip().removeprefix(";").lstrip()
+    return None, calls
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+LLAMA3_START = "<|python_tag|>"
 
 
 def held_back(text: str) -> int:

@@ -5,15 +5,16 @@ are made).
 - A named tool_choice streams its arguments as the model writes them.
 - "required" holds the text back until the choice ends (its JSON list is only known to be whole then), then sends
   each call: id and name, then its arguments.
-- "auto" streams content as it comes, holding back only what might begin `<tool_call>`; from a call on, the rest
-  is held and parsed when the choice ends (text that parses to no call is sent as content then).
+- "auto" streams content as it comes, holding back only what might begin a call (hermes: `<tool_call>` anywhere;
+  llama3_json: an answer whose first character is `{`); from a call on, the rest is held and parsed when the
+  choice ends (text that parses to no call is sent as content then).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.http_api.tool_calls import HERMES_START, ToolPlan, answer, held_back, new_call
+from service.http_api.tool_calls import HERMES_START, LLAMA3_START, ToolPlan, answer, held_back, new_call
 
 
 @dataclass
@@ -55,6 +56,15 @@ class ToolCallStream:
         return [ToolDelta({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})] if text else []
 
     def _auto_content(self) -> list[ToolDelta]:
+        if self.plan.parser == "llama3_json":  # a call is the whole answer: decided by its first character
+            head = self._text.lstrip().removeprefix(LLAMA3_START).lstrip()
+            if not head:
+                return []
+            if head.startswith("{"):
+                self._in_call = True
+                return []
+            chunk, self._sent = self._text[self._sent:], len(self._text)
+            return [ToolDelta({"content": chunk})] if chunk else []
         start = self._text.find(HERMES_START, self._sent)
         if start >= 0:
             self._in_call = True
@@ -69,8 +79,9 @@ class ToolCallStream:
             return [ToolDelta({}, last=True, called=True)]
         content, calls = answer(self.plan, self._text)
         deltas = []
-        if self.plan.mode == "auto" and not calls and self._text[self._sent:]:  # (with calls: all before them
-            deltas.append(ToolDelta({"content": self._text[self._sent:]}))   # went out as it came)
+        if self.plan.mode == "auto":
+            if not calls and self._text[self._sent:]:  # (with calls: the text before them went out as it came)
+                deltas.append(ToolDelta({"content": self._text[self._sent:]}))
         elif not calls and content:  # "required" cut short: its text as it is
             deltas.append(ToolDelta({"content": content}))
         for i, call in enumerate(calls):
