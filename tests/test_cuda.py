@@ -303,3 +303,39 @@ def test_decode_path_lays_out_what_the_general_path_does(models, adapters, names
     finally:
         for s in seqs:
             engine.release(s)
+
+
+@needs_cuda
+def test_cuda_structured_outputs_parse_without_a_host_sync(cuda_engines):
+    """Constrained rows beside free ones on CUDA (bf16, graphs, builds made ahead): 60 sampled answers all parse
+    and validate, and the bitmask's fill and copy add no host synchronisation (only sampling's one read, outside
+    the check, as in test_cuda_no_host_sync_from_batch_init_through_forward)."""
+    from tests.test_structured_output import SPECS, _check
+
+    engine = cuda_engines("bfloat16")
+    kinds = [list(SPECS)[i % 3] for i in range(60)]
+    params = [SamplingParams(max_new_tokens=100, temperature=1.0, seed=i, structured_output=SPECS[k])
+              for i, k in enumerate(kinds)]
+    names = [[None, "qv8", "all4"][i % 3] for i in range(60)]
+    prompts = [[5 + i % 50, 17, 9] for i in range(60)]
+    first = engine.generate_sequences(prompts, params, names)  # captures its graphs (a capture synchronises)
+    real_sample = engine_module.sample
+
+    def sample_outside_error_mode(*args):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real_sample(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    engine_module.sample = sample_outside_error_mode
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        seqs = engine.generate_sequences(prompts, params, names)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        engine_module.sample = real_sample
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in first]  # seeded: the same answers again
+    assert {s.finish_reason for s in seqs} <= {"eos", "grammar"}
+    for kind, seq in zip(kinds, seqs):
+        _check(kind, engine.tokenizer.decode(seq.output_ids))
