@@ -21,7 +21,14 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from service.server import ServerConfig  # noqa: E402
 from tests.http_wire import post  # noqa: E402
-from tests.service_harness import ServerThread, chat_server, openai_client, shared_engine  # noqa: E402
+from tests.service_harness import (  # noqa: E402
+    ServerThread,
+    build_engine,
+    chat_server,
+    demo_paths,
+    openai_client,
+    shared_engine,
+)
 
 # A hermes-style template: the tools in a system line, assistant calls as <tool_call> JSON, tool results.
 TOOLS_TEMPLATE = (
@@ -229,5 +236,32 @@ def test_auto_needs_a_tool_call_parser():
         with openai_client(server) as sdk, pytest.raises(openai.BadRequestError) as info:
             sdk.chat.completions.create(model="", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=4)
         assert info.value.param == "tool_choice" and "--tool-call-parser" in info.value.body["message"]
+    finally:
+        server.stop()
+
+
+def test_the_readmes_tool_call_example_runs_as_pasted():
+    """The README's tool-call code, run as written against the demo served as its command line says
+    (--chat-template lora_serve_demo/tools_chat_template.jinja --tool-call-parser hermes)."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    command = re.search(r"\./scripts/serve\.sh --chat-template (\S+) --tool-call-parser (\w+)", readme)
+    code = re.search(r"```python\n(tools = .*?)```", readme, re.DOTALL).group(1)
+    model, adapters = demo_paths()  # (the served demo's context: the template's system line takes ~280 tokens)
+    engine = build_engine(model, {"pirate": adapters["pirate"]}, max_seq_len=512)
+    server = ServerThread(engine, ServerConfig(port=0, http_port=0, chat_template=str(root / command[1]),
+                                               tool_call_parser=command[2]))
+    try:
+        with openai_client(server) as client:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(code, {"client": client})  # noqa: S102 - the README's own example
+        assert printed.getvalue().startswith("tool_calls [ChatCompletionMessage"), printed.getvalue()
+        assert "name='get_weather'" in printed.getvalue()
     finally:
         server.stop()
