@@ -290,7 +290,7 @@ class Engine:
             t_ahead = time.perf_counter()
             self.ahead.prepare(single, merged, self._epoch)
             ahead_s = time.perf_counter() - t_ahead
-        bitmask = fill_bitmask(sampled, self.model_config.vocab_size, self.device.type == "cuda") if sampled else None
+        bitmask = fill_bitmask(sampled, self.model_config.vocab_size, self.device.type == "cuda")
         t2 = time.perf_counter()
         n = len(sampled)  # logits rows: the sampled ones, then those of prompt log-probabilities
         prompt = PromptLogprobs(logits[n:], inputs.prompt_targets, inputs.prompt_rows) if inputs.prompt_rows else None

@@ -17,7 +17,6 @@ backends; why it and not xgrammar: docs/architecture.md, "Structured outputs").
 """
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 
 # What a request may constrain its output to, and the llguidance format each is compiled from.
 KINDS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
-MAX_SPEC_CHARS = 64 * 1024      # a schema / regex / grammar longer than this is refused (service/limits.py names it)
 GRAMMAR_CACHE_ENTRIES = 256     # compiled specs kept (LRU): a tenant's schema stays hot across its requests
 
 
@@ -67,10 +65,11 @@ class StructuredOutput:
 
 
 class GrammarCompiler:
-    """One per engine: the tokenizer as llguidance sees it (built once, on first use) and the compiled specs. Thread-safe: the service compiles from its own thread while the engine copies."""
+    """One per engine: the tokenizer as llguidance sees it (built once, on first use) and the compiled specs.
+    Thread-safe: the service compiles from its own thread while the engine copies."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
-        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
+        # n_vocab: the logits' width, which may exceed the tokenizer's
         self._tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size,
                                                  eos_token=sorted(tokenizer.eos_token_ids) or None)
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
@@ -121,10 +120,7 @@ def fill_bitmask(seqs: list[Sequence], vocab_size: int, pin: bool) -> torch.Tens
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Disallowed tokens to -inf, in place, on the logits' device (one non-blocking copy of the bitmask)."""
-    mask = bitmask.to(logits.device, non_blocking=True)
-    bits = (mask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
-    allowed = bits.view(logits.shape[0], -1)[:, :logits.shape[1]].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
+    llg_torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
 
 
 def consume(seq: Sequence, token: int) -> str | None:
@@ -135,7 +131,3 @@ def consume(seq: Sequence, token: int) -> str | None:
         seq.error = f"structured output: the grammar refused token {token} ({matcher.get_error()})"
         return "error"
     return "stop" if matcher.is_stopped() else None
-
-
-def choices_spec(choices: list[str]) -> StructuredOutput:
-    return StructuredOutput("choice", json.dumps(choices))

@@ -4,6 +4,7 @@ replayed from CUDA graphs. Every test that needs a GPU skips without one; the pa
 replay is also checked on the CPU (same engine code, the graph not recorded)."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -189,8 +190,18 @@ def test_cuda_no_host_sync_from_batch_init_through_forward(cuda_engines, monkeyp
     tokens, at the end of the step, runs outside it."""
     engine = cuda_engines("bfloat16", lora_kernel=lora_kernel)
     _mixed_workload(engine)  # captures this workload's graphs (a capture synchronises, once per shape)
-    real_sample = engine_module.sample
-    reads = []
+    captured, hits = engine._graphs.num_graphs, engine.ahead.hits
+    with _sync_errors_but_in_sampling(monkeypatch) as reads:
+        _mixed_workload(engine)
+    assert reads and engine._graphs.num_graphs == captured
+    assert engine.ahead.hits > hits + 10  # decode steps took their batch init built ahead
+
+
+@contextlib.contextmanager
+def _sync_errors_but_in_sampling(monkeypatch):
+    """torch.cuda.set_sync_debug_mode("error") inside: every synchronising CUDA call raises, except in sampling,
+    whose one read of the tokens ends a step. Yields the rows of each sample() call."""
+    real_sample, reads = engine_module.sample, []
 
     def sample_outside_error_mode(logits, seqs, *rest):
         torch.cuda.set_sync_debug_mode("default")
@@ -201,14 +212,11 @@ def test_cuda_no_host_sync_from_batch_init_through_forward(cuda_engines, monkeyp
             torch.cuda.set_sync_debug_mode("error")
 
     monkeypatch.setattr(engine_module, "sample", sample_outside_error_mode)
-    captured, hits = engine._graphs.num_graphs, engine.ahead.hits
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _mixed_workload(engine)
+        yield reads
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert reads and engine._graphs.num_graphs == captured
-    assert engine.ahead.hits > hits + 10  # decode steps took their batch init built ahead
 
 
 def _htod_copies(prof) -> list[str]:
@@ -306,35 +314,17 @@ def test_decode_path_lays_out_what_the_general_path_does(models, adapters, names
 
 
 @needs_cuda
-def test_cuda_structured_outputs_parse_without_a_host_sync(cuda_engines):
+def test_cuda_structured_outputs_parse_without_a_host_sync(cuda_engines, monkeypatch):
     """Constrained rows beside free ones on CUDA (bf16, graphs, builds made ahead): 60 sampled answers all parse
     and validate, and the bitmask's fill and copy add no host synchronisation (only sampling's one read, outside
     the check, as in test_cuda_no_host_sync_from_batch_init_through_forward)."""
-    from tests.test_structured_output import SPECS, _check
+    from tests.test_structured_output import _check, sampled_workload
 
     engine = cuda_engines("bfloat16")
-    kinds = [list(SPECS)[i % 3] for i in range(60)]
-    params = [SamplingParams(max_new_tokens=100, temperature=1.0, seed=i, structured_output=SPECS[k])
-              for i, k in enumerate(kinds)]
-    names = [[None, "qv8", "all4"][i % 3] for i in range(60)]
-    prompts = [[5 + i % 50, 17, 9] for i in range(60)]
+    kinds, prompts, params, names = sampled_workload(60)
     first = engine.generate_sequences(prompts, params, names)  # captures its graphs (a capture synchronises)
-    real_sample = engine_module.sample
-
-    def sample_outside_error_mode(*args):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return real_sample(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    engine_module.sample = sample_outside_error_mode
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _sync_errors_but_in_sampling(monkeypatch):
         seqs = engine.generate_sequences(prompts, params, names)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        engine_module.sample = real_sample
     assert [s.output_ids for s in seqs] == [s.output_ids for s in first]  # seeded: the same answers again
     assert {s.finish_reason for s in seqs} <= {"eos", "grammar"}
     for kind, seq in zip(kinds, seqs):

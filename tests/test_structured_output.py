@@ -17,7 +17,7 @@ from lora_compile.structured_output import GrammarError, StructuredOutput
 from service.client import InvalidArgumentError
 from service.server import ServerConfig
 from tests.conftest import build_engine
-from tests.service_harness import ServerThread, chat_server, openai_client, shared_engine
+from tests.service_harness import ServerThread, chat_server, shared_engine
 from tests.test_http_api import CHAT_TEMPLATE
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n", "tags"],
@@ -41,15 +41,21 @@ SPECS = {"json": StructuredOutput("json", json.dumps(PERSON)), "choice": Structu
          "regex": StructuredOutput("regex", EMAIL)}
 
 
+def sampled_workload(n: int) -> tuple[list[str], list[list[int]], list[SamplingParams], list[str | None]]:
+    """n seeded sampled requests, the three kinds of constraint and base and two adapters in turn: (kinds, prompts,
+    params, adapters)."""
+    kinds = [list(SPECS)[i % 3] for i in range(n)]
+    params = [SamplingParams(max_new_tokens=100, temperature=1.0, seed=i, structured_output=SPECS[k])
+              for i, k in enumerate(kinds)]
+    return kinds, [[5 + i % 50, 17, 9] for i in range(n)], params, [[None, "qv8", "all4"][i % 3] for i in range(n)]
+
+
 def test_random_model_outputs_always_parse_and_validate(models, adapters):
     """200 sampled answers of a random-weights model, three kinds of constraint, base and adapters mixed: every
     one ends by its grammar (finish "grammar", or "eos" where it accepted one) and parses and validates."""
     engine = build_engine(models["llama"], adapters["llama"], compile=False)
-    kinds = [list(SPECS)[i % 3] for i in range(200)]
-    params = [SamplingParams(max_new_tokens=100, temperature=1.0, seed=i, structured_output=SPECS[k])
-              for i, k in enumerate(kinds)]
-    names = [[None, "qv8", "all4"][i % 3] for i in range(200)]
-    seqs = engine.generate_sequences([[5 + i % 50, 17, 9]for i in range(200)], params, names)
+    kinds, prompts, params, names = sampled_workload(200)
+    seqs = engine.generate_sequences(prompts, params, names)
     assert {s.finish_reason for s in seqs} <= {"eos", "grammar"}, {s.finish_reason for s in seqs}
     for kind, seq in zip(kinds, seqs):
         _check(kind, engine.tokenizer.decode(seq.output_ids))
@@ -199,12 +205,6 @@ def test_lora_client_cli_flags(served, tmp_path, capsys):
     jsonschema.validate(json.loads(capsys.readouterr().out.splitlines()[0]), PERSON)
     assert client_main([*target, "generate", "Hi", "--regex", "[a-", "--max-new-tokens", "4"]) == 1
     assert "structured_output: does not compile" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    with openai_client(served) as c:
-        yield c
 
 
 def test_grpc_chat_renders_the_template_as_the_http_door(served, client):

@@ -58,12 +58,6 @@ def served(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def client(served):
-    with openai_client(served) as c:
-        yield c
-
-
 def _valid(call) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])

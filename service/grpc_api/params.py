@@ -13,11 +13,8 @@ GRPC_NAMES = FieldNames({
     **{name: f"sampling.{name}" for name in _SAMPLING}, "logit_bias": "sampling.logit_bias",
     "token_ids": "token_ids.ids[]", "max_new_tokens": "stopping.max_new_tokens", "stop": "stopping.stop[]",
     "stop_token_ids": "stopping.stop_token_ids[]", "top_logprobs": "response.top_logprobs",
-    "prompt_logprobs": "response.prompt_logprobs", "structured_output": "structured_output",
+    "prompt_logprobs": "response.prompt_logprobs",
 })
-# StructuredOutput's oneof → GenerateParams.structured_output's kind
-_STRUCTURED_KINDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
-                     "grammar": "grammar"}
 
 
 def from_proto(request: pb.GenerateRequest) -> GenerateParams:
@@ -70,4 +67,6 @@ def _structured_output(request: pb.GenerateRequest) -> tuple[str, str] | None:
         return None
     if kind == "choice":
         return "choice", json.dumps(list(so.choice.choices))
-    return _STRUCTURED_KINDS[kind], "" if kind == "json_object" else getattr(so, kind)
+    if kind == "json_object":
+        return "json_object", ""
+    return ("json" if kind == "json_schema" else kind), getattr(so, kind)  # (the oneof's names are the kinds')
