@@ -115,17 +115,18 @@ def check_config(raw: dict, where: str) -> None:
         raise AdapterError(f"{where}: target_parameters is not supported")
 
 
-def targets_from_config(raw: dict, where: str) -> tuple[str, ...]:
+def targets_from_config(raw: dict, where: str, table: dict[str, str] = LORA_TARGETS) -> tuple[str, ...]:
     """The modules `target_modules` names: a list of module names (or paths), "all-linear", or a regex that PEFT
-    matches in full against each module's path (here: the path of each module of the model, model.PROJECTIONS)."""
+    matches in full against each module's path (here: the path of each module of the model, `table`: the model
+    family's, model.lora_targets)."""
     targets = raw.get("target_modules")
     if targets is None:
         return ()
     if isinstance(targets, str):
         if targets == "all-linear":
-            return tuple(LORA_TARGETS)
+            return tuple(table)
         pattern = compile_pattern(targets, where, "target_modules")
-        paths = {m: f"model.layers.0.{LORA_TARGETS[m]}" for m in LORA_TARGETS}
+        paths = {m: f"model.layers.0.{table[m]}" for m in table}
         paths |= {m: f"model.{m}" for m in _UNSUPPORTED_TARGETS}
         names = {m for m, path in paths.items() if pattern.fullmatch(path)}
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
@@ -135,12 +136,12 @@ def targets_from_config(raw: dict, where: str) -> tuple[str, ...]:
                            f"(a string), got {_short(targets)}")
     if not names:  # (PEFT refuses such a config too: "Target modules ... not found in the base model")
         raise AdapterError(f"{where}: target_modules {_short(targets)} matches no module of the model; its LoRA "
-                           f"modules: {', '.join(LORA_TARGETS)}")
-    bad = sorted(n for n in names if n not in LORA_TARGETS)
+                           f"modules: {', '.join(table)}")
+    bad = sorted(n for n in names if n not in table)
     if bad:
         raise AdapterError(f"{where}: target_modules {_short(bad)} are not supported; supported: "
-                           f"{', '.join(LORA_TARGETS)}")
-    return tuple(sorted(names, key=list(LORA_TARGETS).index))
+                           f"{', '.join(table)}")
+    return tuple(sorted(names, key=list(table).index))
 
 
 class PatternTable:

@@ -25,11 +25,11 @@ from safetensors import SafetensorError
 from .adapter_config import check_config, config_numbers, read_config, targets_from_config
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNameError, AdapterPathError
-from .model import LORA_TARGETS, PROJECTIONS, module_shapes
+from .model import PROJECTIONS, lora_targets, module_shapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_PARENTS = "|".join(sorted({path.split(".")[0] for path in PROJECTIONS}))  # self_attn, mlp
+_PARENTS = "|".join(sorted({path.split(".")[0] for path in PROJECTIONS}))  # self_attn, mlp (every family's)
 # Tensor names come from the file: matched by RE2 (linear time; \w is ASCII there), at most this long.
 _KEY = re2.compile(rf"(?:^|\.)layers\.(\d+)\.((?:{_PARENTS})\.(\w+))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 MAX_TENSOR_NAME_CHARS = 1024
@@ -122,7 +122,7 @@ def _load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank
     where = f"adapter {name!r}: {config_path}"
     raw = read_config(config_path, f"adapter {name!r}")
     check_config(raw, where)
-    targets_from_config(raw, where)
+    targets_from_config(raw, where, lora_targets(cfg))
     numbers = config_numbers(raw, where)
     rank, alpha, use_rslora = numbers.r, numbers.lora_alpha, numbers.use_rslora
 
@@ -170,7 +170,7 @@ def _load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank
         max_seen = max(max_seen, r)
     if not pairs:
         raise AdapterError(f"adapter {name!r}: {weights_path} holds no LoRA weights")
-    targets = tuple(m for m in LORA_TARGETS if any(m in layer for layer in weights))
+    targets = tuple(m for m in lora_targets(cfg) if any(m in layer for layer in weights))
     return LoRAAdapter(name, directory, max_seen, alpha, use_rslora, targets, weights, _digest(weights))
 
 
@@ -195,8 +195,9 @@ def _read_header(path: Path, where: str, cfg: ModelConfig, max_rank: int) -> _He
     """The weights file, read only when no larger than the largest adapter of this model could be, and its header
     checked before safetensors parses it: the count of tensors, their names and dtypes (shapes: see the caller)."""
     in_out = module_shapes(cfg)
+    targets = lora_targets(cfg)
     layers = cfg.num_hidden_layers
-    max_tensors = 2 * layers * len(LORA_TARGETS)
+    max_tensors = 2 * layers * len(targets)
     limit = 8 + MAX_HEADER_BYTES + 8 * max_rank * layers * sum(n_in + n_out for n_in, n_out in in_out.values())
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -223,7 +224,7 @@ def _read_header(path: Path, where: str, cfg: ModelConfig, max_rank: int) -> _He
     header.pop("__metadata__", None)
     if len(header) > max_tensors:
         raise AdapterError(f"{where} holds {len(header)} tensors; a LoRA adapter of this model holds at most "
-                           f"{max_tensors} (lora_A and lora_B of {len(LORA_TARGETS)} modules in {layers} layers)")
+                           f"{max_tensors} (lora_A and lora_B of {len(targets)} modules in {layers} layers)")
     parsed: dict[str, tuple[int, str, str]] = {}
     seen: set[tuple[int, str, str]] = set()
     for key, spec in header.items():
@@ -232,7 +233,7 @@ def _read_header(path: Path, where: str, cfg: ModelConfig, max_rank: int) -> _He
         if m is None:
             raise AdapterError(f"{where}: tensor {shown!r} is not a supported LoRA weight")
         layer, path_in_layer, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if LORA_TARGETS.get(module) != path_in_layer:
+        if targets.get(module) != path_in_layer:
             raise AdapterError(f"{where}: module {module!r} ({key}) is not supported")
         if layer >= layers:
             raise AdapterError(f"{where}: {key} names layer {layer}; the model has {layers}")

@@ -52,6 +52,13 @@ def configure(cache_dir: str | None) -> Path:
     torch._functorch.config.enable_autograd_cache = True
     # Separate symbols for equal-sized dims at trace time; otherwise a later mismatch would recompile.
     torch.fx.experimental._config.use_duck_shape = False
+    # A model's floats (attention scale, soft-caps) are constants of its graph: unspecialised, a second model with
+    # other values (tests) would make them symbolic, which torch.cond's operands may not be.
+    torch._dynamo.config.specialize_float = True
+    # Likewise sizes: the dims that vary are marked (ForwardBatch's dynamic fields), every other one is the model's.
+    # Left automatic, a second model's other KV pool size turned symbolic, and torch 2.13 failed reusing the layer
+    # region over it (KeyError in invoke_subgraph's stamp-out).
+    torch._dynamo.config.automatic_dynamic_shapes = False
     # Several models in one process (tests) each add entries for the shared decoder-layer code.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
@@ -60,7 +67,8 @@ def configure(cache_dir: str | None) -> Path:
 
 def _layer_variant(layer, x, *batch) -> int:
     """Which traced layer a call reuses. Every layer of a model is built from the same config (same shapes,
-    dtypes, window), so the only difference between calls is whether the step carries adapters. Keying on it
+    dtypes; what differs per layer, Gemma's window and rotary table, is a tensor of the layer), so the only
+    difference between calls is whether the step carries adapters. Keying on it
     skips comparing each call's inputs against the first trace (seconds of every start)."""
     return int(ForwardBatch.flat_has_lora(batch))
 

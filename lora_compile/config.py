@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -9,9 +10,11 @@ from typing import Literal, get_args
 import torch
 
 from .errors import CheckpointError
+from .model_families import FAMILIES, SUPPORTED_ARCHITECTURES, Family  # noqa: F401 (SUPPORTED_ARCHITECTURES: re-exported)
 from .packed_gemm import native_bf16
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # model.ACTIVATIONS implements them
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 MergeMode = Literal["auto", "on", "off"]
 MERGE_MODES: tuple[str, ...] = get_args(MergeMode)
 KVGrowth = Literal["lazy", "reserve"]
@@ -23,11 +26,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class RopeScaling:
-    rope_type: str  # "default", "linear" or "llama3"
+    rope_type: str  # "linear", "llama3" or "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3): per-frequency divisors below / from original_max_position_embeddings, and cos/sin's scale
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,34 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer, SLIDING or FULL (transformers' layer_types); empty: every layer is SLIDING when sliding_window is set.
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0       # rotary over the first head_dim x this of each head (Phi-3 variants)
+    rope_local_theta: float | None = None    # sliding layers' rotary base, where it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_logit_softcapping: float | None = None   # scores -> tanh(scores / cap) * cap (Gemma 2)
+    final_logit_softcapping: float | None = None  # likewise for the logits
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and (not self.layer_types or self.layer_types[layer] == SLIDING)
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether layers differ in window (and rotary base): the layers then read per-layer tensors."""
+        return len({self.is_sliding(i) for i in range(self.num_hidden_layers)}) > 1
 
     @property
     def q_size(self) -> int:
@@ -79,6 +114,8 @@ class ModelConfig:
             raise CheckpointError(
                 f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        family = FAMILIES[arch]
+        raw = {**family.defaults, **raw}
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
@@ -87,27 +124,40 @@ class ModelConfig:
                 raise CheckpointError(f"{source}: unsupported torch_dtype {dtype_name!r}")
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            is_qwen2 = arch == "Qwen2ForCausalLM"
+            bias = bool(raw.get("attention_bias", False))
+            act = raw.get(family.activation_key) or raw.get("hidden_act") or "silu"
+            if act not in ACTIVATIONS:
+                raise CheckpointError(f"{source}: unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
+            rope, local_rope = _rope_sections(raw)
+            layers = int(raw["num_hidden_layers"])
+            window = _sliding_window(raw)
             cfg = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
-                o_proj_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
+                attention_bias=bias if family.qkv_bias is None else family.qkv_bias,
+                o_proj_bias=bias if family.o_proj_bias is None else family.o_proj_bias,
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 torch_dtype=_DTYPES[dtype_name],
-                rope_scaling=_rope_scaling(raw, source),
-                sliding_window=_sliding_window(raw),
+                rope_scaling=_rope_scaling(raw, rope, source),
+                sliding_window=window,
                 eos_token_ids=tuple(int(e) for e in eos_ids),
+                layer_types=_layer_types(raw, family, layers, window, source),
+                hidden_act=act,
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
+                rope_local_theta=_local_theta(raw, local_rope, family, source),
+                query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
+                attn_logit_softcapping=_optional_float(raw.get("attn_logit_softcapping")),
+                final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from e
@@ -116,23 +166,50 @@ class ModelConfig:
         return cfg
 
 
-def _rope_scaling(raw: dict, source: str) -> RopeScaling | None:
-    # transformers 5 moved rope settings into "rope_parameters"; older files use "rope_scaling".
-    rs = raw.get("rope_scaling") or raw.get("rope_parameters")
-    if not rs:
-        return None
+def _rope_sections(raw: dict) -> tuple[dict, dict | None]:
+    """The rotary settings of full-attention layers and, where given apart, of sliding ones. transformers 5 keeps
+    them in "rope_parameters" (per layer type for Gemma 3); older files in "rope_theta" and "rope_scaling"."""
+    params = raw.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in params or "sliding_attention" in params:
+        params, local = params.get("full_attention") or {}, params.get("sliding_attention")
+    return {**params, **(raw.get("rope_scaling") or {})}, local
+
+
+def _rope_scaling(raw: dict, rs: dict, source: str) -> RopeScaling | None:
     kind = rs.get("rope_type") or rs.get("type") or "default"
     if kind == "default":
         return None
-    if kind not in ("linear", "llama3"):
-        raise CheckpointError(f"{source}: unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+    kind = {"su": "longrope"}.get(kind, kind)  # Phi-3's first configs' name for it
+    if kind not in ("linear", "llama3", "longrope"):
+        raise CheckpointError(f"{source}: unsupported rope_scaling type {kind!r}; supported: linear, llama3, longrope")
+    original = int(rs.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings") or 8192)
+    factor = rs.get("factor")
+    attention_factor = rs.get("attention_factor")
+    if kind == "longrope":
+        # As transformers: the factor defaults to the context's growth, and the scale of cos/sin follows from it.
+        factor = factor or int(raw.get("max_position_embeddings", original)) / original
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeScaling(
         rope_type=kind,
-        factor=float(rs.get("factor", 1.0)),
+        factor=float(factor or 1.0),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        short_factor=tuple(float(f) for f in rs.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in rs.get("long_factor") or ()),
+        attention_factor=float(attention_factor or 1.0),
     )
+
+
+def _local_theta(raw: dict, local: dict | None, family: Family, source: str) -> float | None:
+    if not family.local_rope:
+        return None
+    local = local or {}
+    if (local.get("rope_type") or "default") != "default":
+        raise CheckpointError(f"{source}: sliding layers' rope_type {local['rope_type']!r} is not supported; default")
+    return float(local.get("rope_theta", raw.get("rope_local_base_freq", 10000.0)))
 
 
 def _sliding_window(raw: dict) -> int | None:
@@ -140,6 +217,23 @@ def _sliding_window(raw: dict) -> int | None:
         return None
     window = raw.get("sliding_window")
     return int(window) if window else None
+
+
+def _layer_types(raw: dict, family: Family, layers: int, window: int | None, source: str) -> tuple[str, ...]:
+    if window is None:
+        return ()
+    types = raw.get("layer_types")
+    if types is None:  # an older config.json: the family's own pattern
+        pattern = int(raw.get("sliding_window_pattern") or 1) if family.sliding_pattern == "pattern" else 2
+        types = [FULL if family.sliding_pattern != "all" and (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+    types = tuple(types)
+    if len(types) != layers or not set(types) <= {SLIDING, FULL}:
+        raise CheckpointError(f"{source}: layer_types must name {SLIDING!r} or {FULL!r} for each of {layers} layers")
+    return types
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -13,24 +13,35 @@ from .packed_gemm import linear, prepack
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+    """`offset` (Model family.norm_offset): 0 scales by w after casting back, as Llama does; otherwise by
+    (offset + w) in float32 before the cast, as Gemma does."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as the reference implementation does.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -> torch.Tensor:
+    """The rotary frequencies of full-attention layers, or with `theta` a sliding layer's own base (unscaled).
+    `long`: longrope's frequencies past original_max_position_embeddings."""
+    dim = cfg.rotary_dim
+    base = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rs = cfg.rope_scaling
-    if rs is None:
-        return inv_freq
+    if theta is not None or rs is None:
+        return 1.0 / ((theta or cfg.rope_theta) ** base)
+    if rs.rope_type == "longrope":
+        factors = torch.tensor(rs.long_factor if long else rs.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * cfg.rope_theta ** base)
+    inv_freq = 1.0 / (cfg.rope_theta ** base)
     if rs.rope_type == "linear":
         return inv_freq / rs.factor
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
@@ -46,19 +57,38 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return torch.cat([freqs, freqs], dim=-1)
+
+
 def rope_tables(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device):
-    """cos/sin for every position, computed once: a step only gathers rows by position."""
-    inv_freq = rope_inv_freq(cfg)
-    freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    """cos/sin for every position, computed once: a step only gathers rows by position. (max_seq_len, rotary_dim),
+    or with a sliding layers' base of their own (Gemma 3) (max_seq_len, 2, rotary_dim): [:, 0] full-attention
+    layers', [:, 1] sliding layers' (Attention picks its own by a per-layer tensor, so layers share one graph)."""
+    positions = torch.arange(max_seq_len)
+    emb = _angles(rope_inv_freq(cfg), positions)
+    scale = 1.0
+    rs = cfg.rope_scaling
+    if rs is not None and rs.rope_type == "longrope":
+        # Long frequencies from original_max_position_embeddings on. transformers picks one set for a whole forward
+        # by its last position, so this matches it token by token in decode, and for prompts that stay on one side.
+        long = positions >= rs.original_max_position_embeddings
+        emb = torch.where(long[:, None], _angles(rope_inv_freq(cfg, long=True), positions), emb)
+        scale = rs.attention_factor
+    if cfg.rope_local_theta is not None:
+        emb = torch.stack([emb, _angles(rope_inv_freq(cfg, cfg.rope_local_theta), positions)], dim=1)
+    return ((emb.cos() * scale).to(dtype=dtype, device=device), (emb.sin() * scale).to(dtype=dtype, device=device))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (T, heads, head_dim); cos/sin: (T, head_dim)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    # x: (T, heads, head_dim); cos/sin: (T, rotary_dim), rotary_dim <= head_dim (partial rotary: the rest passes)
+    dim = cos.shape[-1]
+    rot = x if dim == x.shape[-1] else x[..., :dim]
+    half = dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return out if dim == x.shape[-1] else torch.cat([out, x[..., dim:]], dim=-1)
 
 
 class LoRALinear(nn.Module):
@@ -104,7 +134,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("output_offset", offsets.to(device), persistent=False)
         # output_offset's only reader, at construction: no step needs offsets as a tensor (docs/architecture.md).
         bounds = offsets.tolist()
-        self._slices = tuple(zip(bounds[:-1], bounds[1:]))  # what split(), the slot loaders and LoRA paths slice by
+        self._slices = tuple(zip(bounds[:-1], bounds[1:]))  # what the slot loaders and LoRA paths slice by
         # B transposed, output dim innermost: the expand then vectorises over outputs and sums over the rank
         # with no horizontal reduction per output (python -m benchmarks.lora_layer).
         self.block_diagonal_b = block_diagonal_b
@@ -121,10 +151,6 @@ class LoRALinear(nn.Module):
         """The rows of a slot's B that hold slice i's (its columns are self._slices[i])."""
         start = i * self.max_rank if self.block_diagonal_b else 0
         return slice(start, start + self.max_rank)
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The fused output `y` cut into its packed modules' outputs (views)."""
-        return tuple(y[:, start:end] for start, end in self._slices)
 
     @torch.no_grad()
     def prepack(self) -> None:

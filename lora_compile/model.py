@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) with fused qkv / gate_up projections and LoRA slots."""
+"""The decoder of every family (model_families: Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3) with fused qkv / gate_up
+projections and LoRA slots."""
 from __future__ import annotations
 
 import torch
@@ -10,35 +11,34 @@ from .checkpoint import SafetensorsCheckpoint
 from .config import ModelConfig
 from .forward_batch import PLACEHOLDER_KEYS, AttentionMetadata, ForwardBatch
 from .layers import LoRALinear, RMSNorm, apply_rotary
+from .model_families import LORA_TARGETS, UNFUSED  # noqa: F401 (LORA_TARGETS: re-exported)
 from .packed_gemm import linear
 
-# A decoder layer's projections, written once (vLLM's packed_modules_mapping, plus where each lives): the
-# checkpoint's (and PEFT's) modules that each one packs along its outputs, in order. Weight loading, adapter
-# parsing, the LoRA manager and the demo model all read this table.
-PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "self_attn.o_proj": ("o_proj",),
-    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
-    "mlp.down_proj": ("down_proj",),
-}
-# Modules a LoRA adapter may target (PEFT's names, in layer order) -> their path in a checkpoint's decoder layer.
-LORA_TARGETS: dict[str, str] = {
-    module: f"{path.split('.')[0]}.{module}" for path, modules in PROJECTIONS.items() for module in modules
-}
+# Llama's tables (model_families): what the demo model and most adapters use; a model's own come from its family.
+PROJECTIONS = UNFUSED
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# A full-attention layer's window where layers differ (ModelConfig.mixed_layers): wider than any sequence.
+NO_WINDOW = 1 << 40
+
+
+def lora_targets(cfg: ModelConfig) -> dict[str, str]:
+    """Modules an adapter of this model may target (PEFT's names, in layer order) -> their path in a layer."""
+    return cfg.family.lora_targets()
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each module of LORA_TARGETS, as the checkpoint stores it."""
+    """(in_features, out_features) of each module of lora_targets(cfg), as the checkpoint stores it."""
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "qkv_proj": (h, q + 2 * kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+    return {m: shapes[m] for m in lora_targets(cfg)}
 
 
 def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_rank: int, dtype, device,
                 lora_kernel: str) -> LoRALinear:
-    """The LoRALinear at `path` of PROJECTIONS: its modules' outputs side by side."""
+    """The LoRALinear at `path` of the family's projections: its modules' outputs side by side."""
     shapes = module_shapes(cfg)
-    modules = PROJECTIONS[path]
+    modules = cfg.family.projections[path]
     sizes = tuple(shapes[m][1] for m in modules)
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
                       block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS)
@@ -59,11 +59,12 @@ def attend(
     block_table: torch.Tensor,  # (B, W) each sequence's KV blocks, W * block_size >= S
     key_pos: torch.Tensor,      # (S,) keys 0..S-1 are read
     scale: float,
-    sliding_window: int | None,
+    sliding_window: int | torch.Tensor | None,  # a tensor where layers differ (Attention.window)
     float32: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query block over its cached keys; returns (B*L, H*D). `float32`: both
-    products in float32 whatever the cache holds."""
+    products in float32 whatever the cache holds. `softcap`: scores -> tanh(scores / softcap) * softcap."""
     work = torch.float32 if float32 else q.dtype
     batch, length = token_idx.shape
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -80,7 +81,8 @@ def attend(
     stale = key_pos[None, :] > q_pos.amax(dim=1)[:, None]  # (B, S)
     v = v_cache.view(-1, n_kv, head_dim)[rows].masked_fill(stale[:, :, None, None], 0)
     v = v.permute(0, 2, 1, 3).to(work)  # (B, Hkv, S, D)
-    scores = (torch.matmul(qb, k) * scale).float().view(batch, n_kv, length, group, s)
+    scores = torch.matmul(qb, k) * scale
+    scores = _softcap(scores, softcap).float().view(batch, n_kv, length, group, s)
     visible = key_pos[None, None, :] <= q_pos[:, :, None]  # (B, L, S)
     if sliding_window is not None:
         visible = visible & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
@@ -99,7 +101,8 @@ def attend_decode(
     block_table: torch.Tensor,  # (B, W)
     key_pos: torch.Tensor,      # (S,)
     scale: float,
-    sliding_window: int | None,
+    sliding_window: int | torch.Tensor | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """attend() for one query per sequence, for the compiler; returns (B, H*D).
 
@@ -125,7 +128,7 @@ def attend_decode(
         visible = visible & (pos[None] > q_pos[:, None, None] - sliding_window)
     qb = q[token_idx].view(batch, 1, 1, n_kv, group, head_dim).float()
     k = k_cache[block_table][:, :, :, :, None, :]  # (B, W, bs, Hkv, 1, D): indexing, fused into the reduction
-    scores = (qb * k.float()).sum(-1) * scale  # (B, W, bs, Hkv, G)
+    scores = _softcap((qb * k.float()).sum(-1) * scale, softcap)  # (B, W, bs, Hkv, G)
     scores = scores.masked_fill(~visible[..., None, None], float("-inf")).view(batch, width * bs, n_kv, group)
     probs = torch.softmax(scores, dim=1).to(q.dtype).view(batch, width, bs, n_kv, group)
     v = v_cache[block_table].masked_fill(~visible[..., None, None], 0)  # stale: replaced
@@ -133,20 +136,29 @@ def attend_decode(
     return out.reshape(batch, n_heads * head_dim)
 
 
+def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                   scale: float, sliding_window: int | None, compiled: bool) -> torch.Tensor:
+                   scale: float, sliding_window: int | torch.Tensor | None, compiled: bool,
+                   softcap: float | None = None) -> torch.Tensor:
     """attend() over the step's prefill group. Compiled on CPU, a decode-only step skips it: its group is a padded
     placeholder (PLACEHOLDER_KEYS keys, where a real group reads more), and torch.cond on that size decides at run
     time, in the one graph. The placeholder's two bmm calls (each ~20 us of library set-up for 4608 multiply-adds)
     and its softmax cost 1-7 % of a batch-8 decode step (paired processes). On CUDA a decode step replays a graph,
     where they cost little, and the graphs' tested form stays."""
     args = (q, k_cache, v_cache, md.prefill_token_idx, md.prefill_q_pos, md.prefill_block_table, md.prefill_key_pos)
+    # A per-layer window tensor is an operand of torch.cond's branches, not a value they close over.
+    window = isinstance(sliding_window, torch.Tensor)
+    args += (sliding_window,) if window else ()
     cpu = compiled and q.device.type == "cpu"
 
     def real(*tensors: torch.Tensor) -> torch.Tensor:
         # Compiled on CPU, float32 products: in bf16 oneDNN takes every bmm above 4096 multiply-adds at ~25 us a
         # call, which a mixed step's small chunks pay; 32 16-token prompts prefill within noise either way.
-        return attend(*tensors, scale, sliding_window, float32=cpu)
+        tensors, w = (tensors[:-1], tensors[-1]) if window else (tensors, sliding_window)
+        return attend(*tensors, scale, w, float32=cpu, softcap=softcap)
 
     if not cpu:
         return real(*args)
@@ -158,14 +170,29 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
+                 index: int = 0):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
-        self.sliding_window = cfg.sliding_window
+        self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        self.scale = cfg.attention_scale
+        self.softcap = cfg.attn_logit_softcapping
+        self.sliding_window = cfg.sliding_window if cfg.is_sliding(index) else None
+        # Where layers differ (Gemma 2 / 3), the window and the rotary table are per-layer tensors, read inside the
+        # one compiled layer: a Python value would be traced into the graph that every layer reuses.
+        self.register_buffer("window", None, persistent=False)
+        self.register_buffer("local", None, persistent=False)  # picks the sliding layers' rotary table
+        if cfg.mixed_layers:
+            sliding = cfg.is_sliding(index)
+            self.window = torch.tensor(cfg.sliding_window if sliding else NO_WINDOW, device=device)
+            if cfg.rope_local_theta is not None:
+                self.local = torch.tensor(sliding, device=device)
         lora = (max_loras, max_rank, dtype, device, lora_kernel)
         self.qkv_proj = _projection(cfg, "self_attn.qkv_proj", cfg.attention_bias, *lora)
         self.o_proj = _projection(cfg, "self_attn.o_proj", cfg.o_proj_bias, *lora)
+        norm = (cfg.head_dim, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
+        self.q_norm = RMSNorm(*norm) if cfg.family.qk_norm else None
+        self.k_norm = RMSNorm(*norm) if cfg.family.qk_norm else None
         # Allocated by the engine once it knows its capacity (allocate_kv_cache).
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
@@ -180,24 +207,34 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x, fb.lora, fb.compiled)
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # (one LoRALinear slice each, or one for all: Phi-3)
         # reshape, not view: on CPU the projection's output is a transposed layout (see packed_gemm.plain_linear)
         q = q.reshape(tokens, self.n_heads, self.head_dim)
         k = k.reshape(tokens, self.n_kv, self.head_dim)
         v = v.reshape(tokens, self.n_kv, self.head_dim)
-        q = apply_rotary(q, fb.cos, fb.sin)
-        k = apply_rotary(k, fb.cos, fb.sin)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = fb.cos, fb.sin
+        if cos.dim() == 3:  # full-attention and sliding layers' tables (layers.rope_tables)
+            cos = torch.where(self.local, cos[:, 1], cos[:, 0])
+            sin = torch.where(self.local, sin[:, 1], sin[:, 0])
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         md: AttentionMetadata = fb.attn
+        window = self.sliding_window if self.window is None else self.window
         # Write this step's keys/values first, so each query block reads its own chunk from the cache too.
         self.k_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = k
         self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v
         if fb.compiled:
             decode = attend_decode(q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
-                                   md.decode_block_table, md.decode_key_pos, self.scale, self.sliding_window)
+                                   md.decode_block_table, md.decode_key_pos, self.scale, window,
+                                   self.softcap)
         else:
             decode = attend(q, self.k_cache, self.v_cache, md.decode_token_idx[:, None], md.decode_q_pos[:, None],
-                            md.decode_block_table, md.decode_key_pos, self.scale, self.sliding_window)
-        prefill = attend_prefill(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, fb.compiled)
+                            md.decode_block_table, md.decode_key_pos, self.scale, window,
+                            softcap=self.softcap)
+        prefill = attend_prefill(q, self.k_cache, self.v_cache, md, self.scale, window, fb.compiled,
+                                 self.softcap)
         out = torch.cat([decode, prefill], dim=0)[md.out_idx]
         return self.o_proj(out, fb.lora, fb.compiled)
 
@@ -208,29 +245,40 @@ class MLP(nn.Module):
         lora = (max_loras, max_rank, dtype, device, lora_kernel)
         self.gate_up_proj = _projection(cfg, "mlp.gate_up_proj", cfg.mlp_bias, *lora)
         self.down_proj = _projection(cfg, "mlp.down_proj", cfg.mlp_bias, *lora)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, fb.lora, fb.compiled))
-        return self.down_proj(F.silu(gate) * up, fb.lora, fb.compiled)
+        gate, up = self.gate_up_proj(x, fb.lora, fb.compiled).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up, fb.lora, fb.compiled)
 
 
 class DecoderLayer(nn.Module):
     """The unit of compilation: one compiled region serves every layer (compile_policy)."""
 
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
+                 index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.table = cfg.family.projections
+        norm = (cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
+        self.input_layernorm = RMSNorm(*norm)
+        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel, index)
+        self.post_attention_layernorm = RMSNorm(*norm)
         self.mlp = MLP(cfg, max_loras, max_rank, dtype, device, lora_kernel)
+        # Gemma's: post_attention_layernorm normalises the attention's output, these the MLP's input and output.
+        sandwich = cfg.family.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(*norm) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(*norm) if sandwich else None
 
     def projections(self) -> list[tuple[LoRALinear, tuple[str, ...]]]:
-        """Each projection with the checkpoint modules it packs (PROJECTIONS)."""
-        return [(self.get_submodule(path), modules) for path, modules in PROJECTIONS.items()]
+        """Each projection with the checkpoint modules it packs (the family's projections table)."""
+        return [(self.get_submodule(path), modules) for path, modules in self.table.items()]
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), fb)
-        return h + self.mlp(self.post_attention_layernorm(h), fb)
+        if self.pre_feedforward_layernorm is None:
+            h = x + self.self_attn(self.input_layernorm(x), fb)
+            return h + self.mlp(self.post_attention_layernorm(h), fb)
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), fb))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), fb))
 
 
 # The compiled region: plain arguments (tensors, None), which the compiler matches quickly between calls; forward
@@ -267,10 +315,13 @@ class CausalLM(nn.Module):
         self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped" or "masked"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
+        # Gemma: sqrt(hidden_size) rounded to the embeddings' dtype first, as transformers multiplies them.
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).item() if cfg.family.embed_scale
+                            else None)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, max_loras, max_rank, dtype, device, lora_kernel) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, max_loras, max_rank, dtype, device, lora_kernel, i) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
         self.lm_head = (
             self.embed_tokens.weight if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
@@ -283,11 +334,14 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Every token's last hidden state: the part of a step a CUDA graph replays (cuda_graphs)."""
-        return self._run_layers(self.embed_tokens(input_ids), fb)
+        h = self.embed_tokens(input_ids)
+        return self._run_layers(h if self.embed_scale is None else h * self.embed_scale, fb)
 
     def logits(self, h: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor:
         # Only the rows that are sampled go through the (large) vocabulary projection.
-        return linear(self.norm(h[logits_idx]), self.lm_head, self.lm_head_packed).float()
+        logits = linear(self.norm(h[logits_idx]), self.lm_head, self.lm_head_packed)
+        cap = self.config.final_logit_softcapping
+        return (logits if cap is None else torch.tanh(logits / cap) * cap).float()
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
         return self.logits(self.hidden_states(input_ids, fb), logits_idx)
@@ -303,7 +357,7 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, ckpt: SafetensorsCheckpoint) -> None:
-        """Copy every tensor from the checkpoint into place, packing modules as PROJECTIONS says."""
+        """Copy every tensor from the checkpoint into place, packing modules as the family's table says."""
         def put(dst: torch.Tensor, name: str) -> None:
             dst.copy_(ckpt.get(name, tuple(dst.shape)))
 
@@ -313,10 +367,12 @@ class CausalLM(nn.Module):
             put(self.lm_head, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            put(layer.input_layernorm.weight, p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            for name, norm in layer.named_modules():  # the norms are named as in the checkpoint
+                if isinstance(norm, RMSNorm):
+                    put(norm.weight, f"{p}{name}.weight")
+            paths = lora_targets(self.config)
             for projection, modules in layer.projections():
                 for (start, end), module in zip(projection._slices, modules):
-                    put(projection.weight[start:end], f"{p}{LORA_TARGETS[module]}.weight")
+                    put(projection.weight[start:end], f"{p}{paths[module]}.weight")
                     if projection.bias is not None:
-                        put(projection.bias[start:end], f"{p}{LORA_TARGETS[module]}.bias")
+                        put(projection.bias[start:end], f"{p}{paths[module]}.bias")

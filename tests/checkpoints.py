@@ -11,11 +11,35 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                          PretrainedConfig, Qwen2Config, Qwen3Config)
 
 from lora_serve_demo import BOS_ID, EOS_ID, VOCAB_SIZE, write_demo_tokenizer
 
-_CONFIGS: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+_CONFIGS: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config, "phi3": Phi3Config,
+    "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
+}
+SLIDING_WINDOW = 8  # Gemma's tiny window: prompts and generations of tests run well past it
+# Each family's own features, switched on at a size where they change the tokens of a test's lengths.
+_FAMILY_CONFIG: dict[str, dict] = {
+    "qwen3": dict(head_dim=32),  # q/k norms over a head_dim that is not hidden / heads
+    "phi3": dict(
+        # Short factors throughout a test (transformers recomputes a sequence's cache with the long ones once it
+        # passes original_max_position_embeddings; the engine does not: see test_longrope_tables_match_transformers).
+        pad_token_id=None, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.3, 2.1, 3.0], "long_factor": [1.5, 2.5, 4.0, 6.0]}),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=SLIDING_WINDOW, attn_logit_softcapping=4.0,
+                   final_logit_softcapping=6.0),  # layer_types: sliding, full
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+}
+# PEFT's names for every LoRA-able projection of a family's layer.
+ALL_TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+UNFUSED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_HIDDEN = 64
 SHARD_SIZE = "200KB"  # a 2-layer tiny model is ~0.6 MB: this gives several shards
@@ -27,7 +51,7 @@ def _tiny_config(arch: str, *, tie_word_embeddings: bool, dtype: str, rope_scali
         raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
     # transformers 5 keeps rope_theta and the scaling together in rope_parameters.
     rope = {"rope_type": "default", "rope_theta": 10000.0} | (rope_scaling or {})
-    return _CONFIGS[arch](
+    common = dict(
         vocab_size=VOCAB_SIZE,  # the demo tokenizer is copied in
         hidden_size=TINY_HIDDEN,
         intermediate_size=128,
@@ -42,6 +66,7 @@ def _tiny_config(arch: str, *, tie_word_embeddings: bool, dtype: str, rope_scali
         eos_token_id=EOS_ID,
         dtype=dtype,
     )
+    return _CONFIGS[arch](**(common | _FAMILY_CONFIG.get(arch, {})))
 
 
 def _init_std(name: str, param: torch.Tensor) -> float:
@@ -54,7 +79,7 @@ def _init_std(name: str, param: torch.Tensor) -> float:
         return 0.3
     if name.startswith("lm_head"):
         return 0.4
-    gain = 2.0 if any(m in name for m in ("q_proj", "k_proj", "mlp.")) else 1.0
+    gain = 2.0 if any(m in name for m in ("q_proj", "k_proj", "qkv_proj", "mlp.")) else 1.0
     return gain * param.shape[1] ** -0.5
 
 
