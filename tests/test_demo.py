@@ -252,3 +252,13 @@ def test_peft_adapters_change_generation(tmp_path, tiny_llama, options):
     adapted = [reference_greedy(tiny_llama, p, N_TOKENS, adapter_dir=adapter)[0] for p in TINY_PROMPTS]
     _assert_lively(adapted)
     assert all(a != b for a, b in zip(adapted, base))
+
+
+def test_the_demo_choices_are_named_once_for_the_cli():
+    """service.cli keeps its own copy of the demo names (lora_serve_demo imports torch; the CLI's parser must not):
+    the two agree, the default first."""
+    from lora_serve_demo.select import DEMOS
+    from service.cli import DEMOS as CLI_DEMOS, serve_parser
+
+    assert CLI_DEMOS == DEMOS
+    assert serve_parser().parse_args([]).demo == DEMOS[0] == "smollm2"

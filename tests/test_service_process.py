@@ -28,11 +28,12 @@ pytestmark = pytest.mark.slow
 
 
 class ServeProcess:
-    def __init__(self, *args: str, preexec_fn=None):
+    def __init__(self, *args: str, preexec_fn=None, ready_s: float = 90):
         demo_paths()  # written once, before the child reads the same cache
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--no-compile", "--port", "0", "--http-port", "0", "--max-batch-size", "2",
+            [sys.executable, "-m", "service", "--demo", "random", "--no-compile", "--port", "0", "--http-port", "0",
+             "--max-batch-size", "2",
              "--max-seq-len", "256", "--max-loras-per-batch", "1", *args],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=preexec_fn,
@@ -41,7 +42,7 @@ class ServeProcess:
         self.port: int | None = None
         self.reader = threading.Thread(target=self._read, daemon=True)  # ends with the process's output
         self.reader.start()
-        if not self._ready.wait(90):
+        if not self._ready.wait(ready_s):
             self.proc.kill()
             raise AssertionError("server never became ready:\n" + "".join(self.lines))
 
@@ -69,7 +70,7 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
         assert "loading model" in log and "warm-up done" in log and "registered adapter pirate" in log
         assert "outside the engine thread" not in log  # the CLI keeps torch in one thread
         assert "moved out of the garbage collector's reach" in log  # gc.freeze() after warm-up
-        assert "serving the embedded demo model" in log
+        assert "serving the random demo model" in log
         assert "writing the demo" not in log  # demo_paths() wrote it before: nothing to write
 
         # The CLI client against the real process.

@@ -25,7 +25,6 @@ from tests.service_harness import (  # noqa: E402
     ServerThread,
     build_engine,
     chat_server,
-    demo_paths,
     openai_client,
     shared_engine,
 )
@@ -235,7 +234,7 @@ def test_auto_needs_a_tool_call_parser():
 
 
 def test_the_readmes_tool_call_example_runs_as_pasted():
-    """The README's tool-call code, run as written against the demo served as its command line says
+    """The README's tool-call code, run as written against the demo (SmolLM2) served as its command line says
     (--chat-template lora_serve_demo/tools_chat_template.jinja --tool-call-parser hermes)."""
     import contextlib
     import io
@@ -246,12 +245,14 @@ def test_the_readmes_tool_call_example_runs_as_pasted():
     readme = (root / "README.md").read_text()
     command = re.search(r"\./scripts/serve\.sh --chat-template (\S+) --tool-call-parser (\w+)", readme)
     code = re.search(r"```python\n(tools = .*?)```", readme, re.DOTALL).group(1)
-    model, adapters = demo_paths()  # (the served demo's context: the template's system line takes ~280 tokens)
-    engine = build_engine(model, {"pirate": adapters["pirate"]}, max_seq_len=512)
+    from lora_serve_demo.smollm2 import demo_adapters, fetch_smollm2
+
+    model = fetch_smollm2()  # the demo ./scripts/serve.sh serves (the template's system line takes ~280 tokens)
+    engine = build_engine(model, {"pirate": demo_adapters()["pirate"]}, max_seq_len=512)
     server = ServerThread(engine, ServerConfig(port=0, http_port=0, chat_template=str(root / command[1]),
                                                tool_call_parser=command[2]))
     try:
-        with openai_client(server) as client:
+        with openai_client(server, timeout=600) as client:  # a bound, not a speed: 30 layers, eager
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 exec(code, {"client": client})  # noqa: S102 - the README's own example

@@ -29,6 +29,8 @@ def client_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a completion to the terminal")
     g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message, rendered with the model's chat template")
     g.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)
@@ -130,13 +132,14 @@ def _run_client_command(client, args) -> int:
             ignore_eos=args.ignore_eos, prompt_logprobs=args.prompt_logprobs, json_schema=args.json_schema,
             json_object=args.json_object, regex=args.regex, choice=args.choice, grammar=args.grammar,
         )
+        prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         if (args.n or 1) > 1:  # interleaved streams would be unreadable: each choice once it is whole
-            for choice in client.complete_choices(args.prompt, **params):
+            for choice in client.complete_choices(prompt, **params):
                 print(f"[choice {choice.index}]\n{choice.text}")
                 _print_finish(choice)
             return 0
         last, prompt_logprobs = None, []
-        for chunk in client.generate(args.prompt, **params):
+        for chunk in client.generate(prompt, **params):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             prompt_logprobs += chunk.prompt_logprobs

@@ -196,8 +196,9 @@ class EngineRunner(EngineDoor):
 
     @property
     def model_dir(self) -> str:
-        """The model's directory (tokenizer_config.json: the chat template)."""
-        return self.engine.config.model
+        """The directory of the model's tokenizer_config.json (the chat template): the model's own, --tokenizer's,
+        or what a GGUF file's metadata was derived into."""
+        return str(self.engine.tokenizer_dir)
 
     def stats(self) -> SchedulerStats:
         """A snapshot for metrics; cheap (no engine call: the KV counters are plain attributes), read on the

@@ -1,0 +1,139 @@
+"""llama.cpp's GGUF files, read with `gguf` (llama.cpp's own Python reader): the config from the file's metadata,
+and weights dequantised at load, one tensor at a time, under the Hugging Face names the engine asks for.
+
+The file is memory-mapped; a tensor is dequantised (numpy, float32) only when the model copies it into place, so
+loading holds one dequantised tensor at a time beside the engine's weights.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError
+
+GGUF_MAGIC = b"GGUF"
+# Tensor types dequantised at load (the gguf package's own dequantisers). Others are refused by name at open.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# general.architecture -> the Hugging Face architecture served for it. llama.cpp's converter interleaves the
+# rotary halves of Q and K for "llama" (undone here, as transformers does); the others store them as HF does.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_PERMUTED_QK = {"llama"}
+# {arch}.<key> -> config.json key
+_CONFIG_KEYS = {
+    "block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+    "attention.key_length": "head_dim", "attention.sliding_window": "sliding_window", "vocab_size": "vocab_size",
+}
+
+
+def is_gguf(path: str | Path) -> bool:
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise CheckpointError("reading a GGUF file needs the 'gguf' package: pip install gguf") from e
+    return gguf
+
+
+class GGUFCheckpoint:
+    """One GGUF file: metadata(), config_dict() and get(name, shape), like SafetensorsCheckpoint's."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        gguf = _gguf()
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except (ValueError, OSError, KeyError) as e:
+            raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
+        self._meta: dict | None = None
+        self.arch = str(self.metadata().get("general.architecture"))
+        if self.arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path}: GGUF architecture {self.arch!r} is not served; GGUF files of: {', '.join(ARCHITECTURES)}")
+        unsupported = sorted({t.tensor_type.name for t in self._reader.tensors} - set(SUPPORTED_TYPES))
+        if unsupported:
+            raise CheckpointError(f"{self.path}: tensor type {', '.join(unsupported)} is not supported; "
+                                  f"supported: {', '.join(SUPPORTED_TYPES)}")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        n_layers = int(self.metadata()[f"{self.arch}.block_count"])
+        self._names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, self.arch.upper()), n_layers)
+
+    def __enter__(self) -> "GGUFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass  # the reader's memory map closes with it
+
+    def metadata(self) -> dict:
+        """Every key-value field; arrays as lists (the tokenizer's vocabulary and merges included)."""
+        if self._meta is None:
+            self._meta = {key: field.contents() for key, field in self._reader.fields.items()
+                          if not key.startswith("GGUF.")}
+        return self._meta
+
+    def config_dict(self) -> dict:
+        """The model's config.json, as transformers would write it for this file."""
+        meta, arch = self.metadata(), self.arch
+        config: dict = {"architectures": [ARCHITECTURES[arch]], "torch_dtype": "float32"}
+        for key, name in _CONFIG_KEYS.items():
+            if f"{arch}.{key}" in meta:
+                config[name] = meta[f"{arch}.{key}"]
+        config.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
+        scaling = meta.get(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            config["rope_scaling"] = {"rope_type": scaling, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0),
+                                      "original_max_position_embeddings":
+                                          meta.get(f"{arch}.rope.scaling.original_context_length", 8192)}
+        config["tie_word_embeddings"] = "output.weight" not in self._tensors
+        for key in ("bos_token_id", "eos_token_id"):
+            if f"tokenizer.ggml.{key}" in meta:
+                config[key] = meta[f"tokenizer.ggml.{key}"]
+        if arch == "qwen2":
+            config["use_sliding_window"] = False  # llama.cpp writes no window for Qwen2; transformers' default
+        return config
+
+    def _gguf_name(self, name: str) -> str | None:
+        base, _, suffix = name.rpartition(".")
+        mapped = self._names.get_name(base)
+        return f"{mapped}.{suffix}" if mapped is not None else None
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor the Hugging Face checkpoint would call `name`, dequantised to float32 and checked against the
+        expected shape; errors name the file and both names."""
+        gguf_name = self._gguf_name(name)
+        tensor = self._tensors.get(gguf_name) if gguf_name else None
+        if tensor is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} (GGUF {gguf_name!r}) is missing from the file")
+        weights = np.asarray(_gguf().dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weights = weights.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # GGUF lists dims innermost first
+        if self.arch in _PERMUTED_QK and gguf_name.endswith((".attn_q.weight", ".attn_k.weight", ".attn_q.bias",
+                                                             ".attn_k.bias")):
+            meta = self.metadata()
+            heads = meta[f"{self.arch}.attention.head_count"]
+            if ".attn_k." in gguf_name:
+                heads = meta.get(f"{self.arch}.attention.head_count_kv", heads)
+            weights = _unpermute(weights, int(heads))
+        if tuple(weights.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} ({name!r}) has shape {tuple(weights.shape)}, "
+                                  f"the config implies {tuple(shape)}")
+        if not weights.flags.writeable:  # F32 tensors come back as the read-only memory map itself
+            weights = weights.copy()
+        return torch.from_numpy(np.ascontiguousarray(weights))
+
+
+def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf permute of Q/K rows: per head it stores the rotary pairs interleaved
+    (row 2i, 2i+1 = HF rows i, i + head_dim/2)."""
+    half = weights.shape[0] // heads // 2
+    return weights.reshape(heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)

