@@ -123,3 +123,20 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"NOTGGUF" + bytes(100))
     with pytest.raises(CheckpointError, match="not a model directory or a GGUF file"):
         Engine(EngineConfig(model=str(path), compile=False, **ENGINE_LIMITS))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_other_architectures_equal_the_checkpoint_they_were_written_from(tmp_path, arch):
+    """Files of qwen2 (qkv biases) and qwen3 (q/k norms, head_dim apart from hidden / heads), which llama.cpp stores
+    without the llama permute, in float32: the engine's greedy tokens are transformers' on the Hugging Face checkpoint
+    the file was written from (transformers' own GGUF loading reads no head_dim for qwen3: it cannot load this one)."""
+    from tests.checkpoints import make_tiny_model, reference_greedy
+
+    hf_dir = make_tiny_model(tmp_path / "hf", arch, seed=7)
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", {}, arch=arch)
+    engine = Engine(EngineConfig(model=str(path), compile=False, **ENGINE_LIMITS))
+    assert engine.model_config.architecture == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    tokens, _ = run_joining(engine, PROMPTS[:2], join_at=[0, 1])
+    for prompt, got in zip(PROMPTS[:2], tokens):
+        expected, _ = reference_greedy(hf_dir, prompt, NEW_TOKENS)
+        assert len(set(expected)) > 4 and got == expected

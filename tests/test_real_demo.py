@@ -14,7 +14,7 @@ from service.chat_template import load_chat_template
 from tests.checkpoints import greedy
 from tests.gguf_files import load_gguf_reference
 from tests.test_engine_golden import run_joining
-from tests.test_service_process import ServeProcess
+from tests.test_service_process import ServeProcess, _free_port
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
@@ -31,7 +31,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    engine = Engine(EngineConfig(model=str(smollm2), compile=False, dtype="float32", max_num_seqs=4,
+    engine = Engine(EngineConfig(model=str(smollm2), compile=False, dtype="float32", max_num_seqs=6,
                                  max_seq_len=256, max_num_batched_tokens=128, max_loras_per_batch=2, max_lora_rank=8))
     for name, path in demo_adapters().items():
         engine.adapters.register(name, path)
@@ -65,11 +65,12 @@ def test_base_and_adapters_equal_transformers_and_peft_in_one_batch(smollm2, eng
 
 
 def test_served_demo_answers_in_language(smollm2):
-    server = ServeProcess("--demo", "smollm2", "--max-loras-per-batch", "2", ready_s=600)
+    http_port = _free_port()
+    server = ServeProcess("--demo", "smollm2", "--max-loras-per-batch", "2", "--http-port", str(http_port),
+                          ready_s=600)
     try:
         log = "".join(server.lines)
         assert "serving SmolLM2-135M-Instruct" in log, log[-3000:]
-        http_port = int(re.search(r"http://\S+:(\d+)", log).group(1))
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
                                timeout=120)
         assert [m.id for m in client.models.list().data] == [SERVED_NAME, *ADAPTER_NAMES]
