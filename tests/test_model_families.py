@@ -65,12 +65,14 @@ def test_family_eager_matches_transformers_and_peft(family_models, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
 def test_family_compiled_matches_transformers_and_peft(family_models, arch):
     """Compiled: warm-up traces every layer kind (per-layer window and rotary table are tensors), and the steps
-    after it run under fail_on_recompile (Engine.step)."""
+    after it run under fail_on_recompile (Engine.step). Qwen3 compiled adds nothing Gemma 3's does not run (q/k
+    norms in the compiled layer) and costs a minute of the suite: its eager test covers what it declares. The
+    saved stack (precompile) is tested in test_engine_compile: not saved here."""
     base, adapters = family_models[arch]
-    check_family(build_engine(base, adapters, compile=True), base, adapters)
+    check_family(build_engine(base, adapters, compile=True, precompile=False), base, adapters)
 
 
 def test_longrope_tables_match_transformers(family_models):

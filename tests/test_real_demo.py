@@ -19,7 +19,7 @@ from tests.test_service_process import ServeProcess, _free_port
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."  # the base model's greedy answer (transformers' too: tested below)
-NEW_TOKENS = 24
+NEW_TOKENS = 24  # the chat answers' bound (each stops at EOS well before)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    engine = Engine(EngineConfig(model=str(smollm2), compile=False, dtype="float32", max_num_seqs=6,
+    engine = Engine(EngineConfig(model=str(smollm2), compile=False, dtype="float32", max_num_seqs=3,
                                  max_seq_len=256, max_num_batched_tokens=128, max_loras_per_batch=2, max_lora_rank=8))
     for name, path in demo_adapters().items():
         engine.adapters.register(name, path)
@@ -50,18 +50,23 @@ def _text(engine, tokens: list[int]) -> str:
 
 
 def test_base_and_adapters_equal_transformers_and_peft_in_one_batch(smollm2, engine):
-    prompts = [_chat_ids(engine, QUESTION), _chat_ids(engine, "What color is the sky?")] * 3
-    adapters = [None, None, "pirate", "pirate", "robot", "robot"]
-    tokens, _ = run_joining(engine, prompts, adapters=adapters, join_at=[0, 0, 0, 1, 1, 2])
-    references = {None: load_gguf_reference(smollm2)}
-    references |= {name: load_gguf_reference(smollm2, path) for name, path in demo_adapters().items()}
-    for i, prompt in enumerate(prompts):
-        expected, _ = greedy(references[adapters[i]], prompt, len(tokens[i]))
-        assert tokens[i] == expected, f"sequence {i} ({adapters[i]}) differs from transformers + peft"
+    prompt = _chat_ids(engine, QUESTION)
+    adapters = [None, "pirate", "robot"]
+    tokens, _ = run_joining(engine, [prompt] * 3, adapters=adapters, join_at=[0, 0, 1])
+    reference = load_gguf_reference(smollm2, demo_adapters()["pirate"], adapter_name="pirate")
+    reference.load_adapter(demo_adapters()["robot"], adapter_name="robot")
+    for got, name in zip(tokens, adapters):
+        if name is None:
+            with reference.disable_adapter():
+                expected, _ = greedy(reference, prompt, len(got))
+        else:
+            reference.set_adapter(name)
+            expected, _ = greedy(reference, prompt, len(got))
+        assert got == expected, f"{name or 'base'} differs from transformers + peft"
     texts = [_text(engine, t) for t in tokens]
     assert texts[0] == ANSWER
-    assert texts[2].startswith("Arr") and "Paris" in texts[2], texts[2]  # pirate speech, the same fact
-    assert texts[4].startswith("BEEP BOOP") and "Paris" in texts[4], texts[4]  # a robot's report, the same fact
+    assert texts[1].startswith("Arr") and "Paris" in texts[1], texts[1]  # pirate speech, the same fact
+    assert texts[2].startswith("BEEP BOOP") and "Paris" in texts[2], texts[2]  # a robot's report, the same fact
 
 
 def test_served_demo_answers_in_language(smollm2):
