@@ -11,6 +11,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .errors import CheckpointError
+from .tokenizer import BYTE_LEVEL_CHARS
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -29,19 +30,6 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: the printable character that spells each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def build_tokenizer(meta: dict, source: str) -> Tokenizer:
     """tokenizer.json's content for the file whose metadata is `meta` (key -> value, arrays as lists)."""
     kind = meta.get("tokenizer.ggml.model")
@@ -58,7 +46,6 @@ def build_tokenizer(meta: dict, source: str) -> Tokenizer:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    alphabet = set(_bytes_to_unicode().values())
     vocab = {token: i for i, token in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -69,7 +56,7 @@ def build_tokenizer(meta: dict, source: str) -> Tokenizer:
     # (<think>) are matched whole and kept. A control token spelled outside the byte alphabet is a converter's
     # mislabel that no text can produce: left as a plain vocabulary entry.
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
-                            if k == _CONTROL and set(t) <= alphabet])
+                            if k == _CONTROL and set(t) <= BYTE_LEVEL_CHARS])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
     bos = meta.get("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:

@@ -132,3 +132,4 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_alphabet()
+BYTE_LEVEL_CHARS = frozenset(_BYTE_LEVEL)  # the characters byte-level BPE vocabularies are spelled in
