@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 
 from . import precompile
+from .config import cache_root
 from .forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
 
 def default_inductor_cache_dir() -> Path:
-    base = os.environ.get("LORA_SERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lora-serve")
-    return Path(base) / "inductor"
+    return cache_root() / "inductor"
 
 
 def configure(cache_dir: str | None) -> Path:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -234,6 +235,13 @@ def _layer_types(raw: dict, family: Family, layers: int, window: int | None, sou
 
 def _optional_float(value) -> float | None:
     return None if value is None else float(value)
+
+
+def cache_root() -> Path:
+    """lora-serve's cache directory (compiled code, GGUF-derived files, the demo): $LORA_SERVE_CACHE, else
+    ~/.cache/lora-serve."""
+    env = os.environ.get("LORA_SERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lora-serve"
 
 
 def resolve_device(name: str) -> torch.device:

