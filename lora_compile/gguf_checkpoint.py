@@ -57,7 +57,7 @@ class GGUFCheckpoint:
         except (ValueError, OSError, KeyError) as e:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
         self._meta: dict | None = None
-        self.arch = str(self.metadata().get("general.architecture"))
+        self.arch = str(self.value("general.architecture"))
         if self.arch not in ARCHITECTURES:
             raise CheckpointError(
                 f"{self.path}: GGUF architecture {self.arch!r} is not served; GGUF files of: {', '.join(ARCHITECTURES)}")
@@ -66,7 +66,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: tensor type {', '.join(unsupported)} is not supported; "
                                   f"supported: {', '.join(SUPPORTED_TYPES)}")
         self._tensors = {t.name: t for t in self._reader.tensors}
-        n_layers = int(self.metadata()[f"{self.arch}.block_count"])
+        n_layers = int(self.value(f"{self.arch}.block_count"))
         self._names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, self.arch.upper()), n_layers)
 
     def __enter__(self) -> "GGUFCheckpoint":
@@ -74,6 +74,11 @@ class GGUFCheckpoint:
 
     def __exit__(self, *exc) -> None:
         pass  # the reader's memory map closes with it
+
+    def value(self, key: str, default=None):
+        """One key-value field (read alone: a start whose tokenizer is already derived reads no vocabulary)."""
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
 
     def metadata(self) -> dict:
         """Every key-value field; arrays as lists (the tokenizer's vocabulary and merges included)."""
@@ -84,21 +89,22 @@ class GGUFCheckpoint:
 
     def config_dict(self) -> dict:
         """The model's config.json, as transformers would write it for this file."""
-        meta, arch = self.metadata(), self.arch
+        arch, fields = self.arch, self._reader.fields
         config: dict = {"architectures": [ARCHITECTURES[arch]], "torch_dtype": "float32"}
         for key, name in _CONFIG_KEYS.items():
-            if f"{arch}.{key}" in meta:
-                config[name] = meta[f"{arch}.{key}"]
-        config.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
-        scaling = meta.get(f"{arch}.rope.scaling.type")
+            if f"{arch}.{key}" in fields:
+                config[name] = self.value(f"{arch}.{key}")
+        tokens = fields.get("tokenizer.ggml.tokens")
+        config.setdefault("vocab_size", len(tokens.data) if tokens is not None else 0)
+        scaling = self.value(f"{arch}.rope.scaling.type")
         if scaling not in (None, "none"):
-            config["rope_scaling"] = {"rope_type": scaling, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0),
+            config["rope_scaling"] = {"rope_type": scaling, "factor": self.value(f"{arch}.rope.scaling.factor", 1.0),
                                       "original_max_position_embeddings":
-                                          meta.get(f"{arch}.rope.scaling.original_context_length", 8192)}
+                                          self.value(f"{arch}.rope.scaling.original_context_length", 8192)}
         config["tie_word_embeddings"] = "output.weight" not in self._tensors
         for key in ("bos_token_id", "eos_token_id"):
-            if f"tokenizer.ggml.{key}" in meta:
-                config[key] = meta[f"tokenizer.ggml.{key}"]
+            if f"tokenizer.ggml.{key}" in fields:
+                config[key] = self.value(f"tokenizer.ggml.{key}")
         if arch == "qwen2":
             config["use_sliding_window"] = False  # llama.cpp writes no window for Qwen2; transformers' default
         return config
@@ -119,10 +125,9 @@ class GGUFCheckpoint:
         weights = weights.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # GGUF lists dims innermost first
         if self.arch in _PERMUTED_QK and gguf_name.endswith((".attn_q.weight", ".attn_k.weight", ".attn_q.bias",
                                                              ".attn_k.bias")):
-            meta = self.metadata()
-            heads = meta[f"{self.arch}.attention.head_count"]
+            heads = self.value(f"{self.arch}.attention.head_count")
             if ".attn_k." in gguf_name:
-                heads = meta.get(f"{self.arch}.attention.head_count_kv", heads)
+                heads = self.value(f"{self.arch}.attention.head_count_kv", heads)
             weights = _unpermute(weights, int(heads))
         if tuple(weights.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor {gguf_name!r} ({name!r}) has shape {tuple(weights.shape)}, "
