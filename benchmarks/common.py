@@ -7,6 +7,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,9 +139,11 @@ def register_adapters(engine: Engine, adapters: dict[str, Path]) -> None:
 
 
 def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], steps: int = 16,
-                     prompt_len: int = 64, **sampling) -> tuple[float, float]:
+                     prompt_len: int = 64, timed: Callable[[], AbstractContextManager] = nullcontext,
+                     **sampling) -> tuple[float, float]:
     """Mean seconds per decode step at `batch` sequences (after prefill), and mean batch-init seconds.
-    `sampling`: more SamplingParams fields (a structured output, say)."""
+    `timed()`: a context around the timed steps alone (a profiler, say). `sampling`: more SamplingParams fields
+    (a structured output, say)."""
     seqs = [Sequence(i, [(7 * i + j) % 500 + 3 for j in range(prompt_len)],
                      # room for the tokens of early finishers while a small step budget prefills the rest
                      SamplingParams(max_new_tokens=min(engine.config.max_seq_len - prompt_len, steps + 8 + batch * prompt_len),
@@ -154,10 +157,11 @@ def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], ste
         for _ in range(2):
             engine.step(seqs)
         init = 0.0
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            init += engine.step(seqs).batch_init_s
-        elapsed = time.perf_counter() - t0
+        with timed():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                init += engine.step(seqs).batch_init_s
+            elapsed = time.perf_counter() - t0
     finally:
         for s in seqs:
             engine.release(s)

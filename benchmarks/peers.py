@@ -1,6 +1,7 @@
 """Our engine beside vLLM-CPU, same weights and workload, systems interleaved within each round.
 
     python -m benchmarks.peers [--vllm-venv /path/to/venv] [--batches 8 32] [--rounds 3] [--threads 2] [--real]
+                               [--cpu-report] [--vllm-huge-pages]
 
 The SmolLM2-135M-shaped checkpoint (benchmarks.common) with 8 rank-16 adapters on all 7 projections (--real: the
 real SmolLM2-135M-Instruct, dequantised, with the demo's two rank-8 adapters under eight names), 16-token prompts, 64 greedy tokens (ignore_eos). Workloads: base / one adapter / 8 distinct adapters, at each batch size.
@@ -12,6 +13,10 @@ all B sequences have their first token) and decode tok/s: B * 63 over the time f
 first token to the last token, within one 64-token run (ours: token callbacks; vLLM: its per-request timestamps),
 medians over rounds; ratios are taken within a round, then their median reported. After each vLLM request the
 next system waits until vLLM's processes are idle (its engine keeps polling at a full core for a while).
+Every table names the CPU (model, ISA flags, torch's kernel capability: benchmarks.cpu_report). --cpu-report adds,
+after the tables, which oneDNN ISA and kernels ran in one decode run of each system at the largest batch
+(ONEDNN_VERBOSE; vLLM in a worker of its own started with it on). vLLM runs without our huge-page default
+(lora_compile.huge_pages), as its users run it, unless --vllm-huge-pages.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import cpu_report
 from benchmarks.common import (
     proc_stat,
     register_adapters,
@@ -34,7 +40,7 @@ from benchmarks.common import (
     smollm2_dequantised,
     write_lora_adapters,
 )
-from lora_compile import Engine, EngineConfig, SamplingParams
+from lora_compile import Engine, EngineConfig, SamplingParams, huge_pages
 from lora_compile.packed_gemm import native_bf16  # where the engine's `auto` picks bf16
 from lora_serve_demo.smollm2 import demo_adapters
 from service.runner import engine_thread
@@ -111,15 +117,24 @@ def wait_until_idle(root: int, window_s: float = 0.25, busy_share: float = 0.05,
 
 
 class VllmWorker:
-    def __init__(self, venv: Path, model: Path, adapter_root: Path, mode: str, threads: int, max_model_len: int = 512):
+    def __init__(self, venv: Path, model: Path, adapter_root: Path, mode: str, threads: int, max_model_len: int = 512,
+                 onednn_verbose: bool = False, huge_pages_too: bool = False):
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
                    OMP_NUM_THREADS=str(threads))
+        if onednn_verbose:
+            env["ONEDNN_VERBOSE"] = "1"
+        if huge_pages.set_by_default and not huge_pages_too:  # vLLM as its users run it: no huge-page default
+            env.pop(huge_pages.ENV, None)
+        self.verbose_lines: list[str] = []  # oneDNN's verbose output since the last command
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), str(model), str(adapter_root), mode,
                                       str(max_model_len)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.idle_waits: list[float] = []
+        self._verbose_info: list[str] = []  # oneDNN's info lines (version, ISA), printed once at its start
         for line in self.proc.stdout:
+            if line.startswith("onednn_verbose") and ",info," in line:
+                self._verbose_info.append(line)
             if line.startswith('{"ready"'):
                 break
         else:
@@ -129,8 +144,11 @@ class VllmWorker:
         """Send one command; its reply (the line that starts with `key`), once vLLM's processes are idle."""
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+        self.verbose_lines = list(self._verbose_info)
         line = self.proc.stdout.readline()
         while line and not line.startswith(f'{{"{key}"'):  # vLLM logs to stdout too
+            if line.startswith("onednn_verbose"):
+                self.verbose_lines.append(line)
             line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"vLLM worker exited with {self.proc.wait()}")
@@ -162,6 +180,30 @@ def measure(system, batch: int, kind: str) -> tuple[float, float, list[list[int]
     return t1, batch * (NEW_TOKENS - 1) / max(decode, 1e-9), tokens
 
 
+def report_kernels(systems: dict, batch: int, kinds: list[str], venv: Path | None, model: Path, adapter_root: Path,
+                   threads: int) -> None:
+    """Which oneDNN ISA and kernels ran in one NEW_TOKENS run of each of our systems per kind, and of vLLM's base
+    (a worker started with ONEDNN_VERBOSE=1, so that its engine process prints them too)."""
+    for name, system in systems.items():
+        if not isinstance(system, Ours):
+            continue
+        for kind in kinds:
+            prompts, adapters = workload(batch, kind)
+            report = cpu_report.onednn_kernels(lambda: system.run(prompts, adapters, NEW_TOKENS))
+            print(f"\n{name}, {kind}, batch {batch}, one {NEW_TOKENS}-token run:")
+            print("\n".join(report.lines()))
+    if venv is not None and (venv / "bin" / "python").exists():
+        worker = VllmWorker(venv, model, adapter_root, "base", threads, onednn_verbose=True)
+        try:
+            prompts, adapters = workload(batch, "base")
+            seconds, _, _ = worker.run(prompts, adapters, NEW_TOKENS)
+            report = cpu_report.parse_verbose(worker.verbose_lines, 1000 * seconds)
+            print(f"\nvllm base, base, batch {batch}, one {NEW_TOKENS}-token run (its engine's oneDNN output):")
+            print("\n".join(report.lines()) if report.kernels else "  (no oneDNN primitive ran)")
+        finally:
+            worker.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--vllm-venv", default=os.environ.get("LORA_SERVE_VLLM_VENV"))
@@ -172,6 +214,10 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["base", "1 adapter", "8 adapters"],
                    choices=["base", "1 adapter", "8 adapters"])
     p.add_argument("--no-vllm-base", action="store_true", help="skip vLLM with LoRA off")
+    p.add_argument("--vllm-huge-pages", action="store_true",
+                   help=f"run vLLM with {huge_pages.ENV}=1 too (our default, lora_compile.huge_pages; not vLLM's)")
+    p.add_argument("--cpu-report", action="store_true",
+                   help="after the tables, the oneDNN ISA and kernels of one decode run per system (ONEDNN_VERBOSE)")
     p.add_argument("--real", action="store_true",
                    help="the real demo model (SmolLM2-135M-Instruct dequantised to float32) and its two adapters, "
                         "pirate and shout, under the names a0..a7 alternately")
@@ -190,8 +236,8 @@ def main() -> None:
         model = smollm2_checkpoint()
         adapters = write_lora_adapters(model, tmp, names)
     print(f"model: {model}")
-    flags = " ".join(f for f in ("avx512_bf16", "amx_bf16", "avx512_vnni") if f in Path("/proc/cpuinfo").read_text())
-    print(f"CPU flags: {flags or 'none of avx512_bf16/amx_bf16/avx512_vnni'}; {args.threads} threads")
+    cpu = cpu_report.describe(args.threads)
+    print(cpu)
     systems = {"ours f32": Ours(model, adapters, "float32", max(args.batches))}
     if native_bf16() and not args.no_bf16:
         systems["ours bf16"] = Ours(model, adapters, "bfloat16", max(args.batches))
@@ -199,9 +245,10 @@ def main() -> None:
     if venv is None or not (venv / "bin" / "python").exists():
         print("vLLM-CPU: skipped (no --vllm-venv / LORA_SERVE_VLLM_VENV with bin/python; see docs/benchmarks.md)")
     else:
-        systems["vllm lora"] = VllmWorker(venv, model, tmp, "lora", args.threads)
+        systems["vllm lora"] = VllmWorker(venv, model, tmp, "lora", args.threads, huge_pages_too=args.vllm_huge_pages)
         if not args.no_vllm_base:
-            systems["vllm base"] = VllmWorker(venv, model, tmp, "base", args.threads)
+            systems["vllm base"] = VllmWorker(venv, model, tmp, "base", args.threads,
+                                              huge_pages_too=args.vllm_huge_pages)
     kinds = args.kinds
     results: dict[tuple, list] = {}
     for rnd in range(args.rounds):
@@ -213,7 +260,7 @@ def main() -> None:
                     ttft, tps, tokens = measure(system, batch, kind)
                     results.setdefault((batch, kind, name), []).append((ttft, tps, tokens))
     for batch in args.batches:
-        print(f"\nbatch {batch}")
+        print(f"\nbatch {batch} ({cpu})")
         for kind in kinds:
             for name in systems:
                 rows = results.get((batch, kind, name))
@@ -236,6 +283,8 @@ def main() -> None:
                 if name.startswith("vllm") and (batch, kind, name) in results:
                     same = sum(a == b for a, b in zip(ours, results[(batch, kind, name)][-1][2]))
                     print(f"  {kind:10s} greedy tokens equal to ours f32: {name} {same}/{batch}")
+    if args.cpu_report:
+        report_kernels(systems, max(args.batches), kinds, venv, model, tmp, args.threads)
     for name, system in systems.items():
         if isinstance(system, VllmWorker):
             waits = system.idle_waits

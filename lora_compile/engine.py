@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence as SequenceLike
 
 import torch
 
-from . import compile_policy, packed_gemm
+from . import compile_policy, huge_pages, packed_gemm
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .host_memory import available_memory_bytes
 from .batch_init import BatchInit, Planned, StepInputs
@@ -96,6 +96,8 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %s), prefix caching %s, %s growth", size.num_blocks,
                  size.block_size, size.num_tokens, format_bytes(size.nbytes),
                  "on" if config.enable_prefix_caching else "off", config.kv_growth)
+        if self.device.type == "cpu":
+            log.info(huge_pages.status())
         self._admission_order = itertools.count()
         self._admitted: dict[int, Sequence] = {}  # id(seq): every sequence holding KV blocks
         self.num_preemptions = 0

@@ -1,0 +1,43 @@
+"""benchmarks.cpu_report: the CPU named as /proc/cpuinfo and torch see it, and oneDNN's own account of the kernels a
+packed linear layer ran (ONEDNN_VERBOSE), read back from standard output."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import cpu_report
+from lora_compile import packed_gemm
+
+
+def test_describe_names_model_and_isa():
+    line = cpu_report.describe(2)
+    assert torch.backends.cpu.get_cpu_capability() in line and line.endswith("2 threads")
+    model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    if model:
+        assert model.group(1).strip() in line
+    flags = set(re.search(r"^flags\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    have = line.split("ISA: ", 1)[1].split(" (not:", 1)[0].split()
+    assert set(have) == flags & set(cpu_report.ISA_FLAGS)
+
+
+@pytest.mark.skipif(not packed_gemm.available(torch.device("cpu"), torch.float32), reason="no oneDNN packing")
+def test_onednn_kernels_of_a_packed_linear():
+    weight = torch.randn(256, 128)
+    packed = packed_gemm.prepack(weight)
+    x = torch.randn(9, 128)
+
+    def run() -> None:
+        for _ in range(3):
+            packed_gemm.packed_linear(x, weight, packed)
+
+    report = cpu_report.onednn_kernels(run)
+    uses = [k for k in report.kernels if k.shape == "mb9ic128oc256"]
+    assert len(uses) == 1 and uses[0].calls == 3 and uses[0].ms > 0, report.kernels
+    assert any("isa:" in i for i in report.info)
+    lines = report.lines()
+    assert lines[0].startswith("oneDNN ISA: ") and "not reported" not in lines[0]
+    # A second report in the same process still names the ISA (oneDNN prints it once per process).
+    assert "not reported" not in cpu_report.onednn_kernels(run).lines()[0]
