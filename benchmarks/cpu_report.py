@@ -70,7 +70,7 @@ class OneDnnReport:
             calls_ms[1] += k.ms
         for (kind, impl), (calls, ms) in sorted(by_impl.items(), key=lambda kv: -kv[1][1]):
             out.append(f"  {kind:14s} {impl:22s} {calls:6d} calls {ms:9.1f} ms ({100 * ms / max(total, 1e-9):4.1f}%)")
-        out.append(f"  top shapes:")
+        out.append("  top shapes:")
         for k in self.kernels[:top]:
             out.append(f"    {k.kind:14s} {k.implementation:22s} {k.shape:24s} {k.calls:6d} calls "
                        f"{k.ms / k.calls * 1000:8.1f} us each")
@@ -86,7 +86,7 @@ def parse_verbose(lines: Iterable[str], wall_ms: float = 0.0) -> OneDnnReport:
         if len(parts) < 4 or parts[0] != "onednn_verbose":
             continue
         fields = parts[2:] if parts[1] == "v1" else parts[1:]
-        if fields[0] == "info" and fields[1] != "template:operation" and len(fields) > 1:
+        if fields[0] == "info" and len(fields) > 1 and not fields[1].startswith("template:"):
             info.append(",".join(fields[1:]))
         elif fields[:2] == ["primitive", "exec"] and len(fields) >= 6:
             kind, impl, shape, ms = fields[3], fields[4], fields[-2], float(fields[-1])
