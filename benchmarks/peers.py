@@ -181,7 +181,7 @@ def measure(system, batch: int, kind: str) -> tuple[float, float, list[list[int]
 
 
 def report_kernels(systems: dict, batch: int, kinds: list[str], venv: Path | None, model: Path, adapter_root: Path,
-                   threads: int) -> None:
+                   threads: int, vllm_huge_pages: bool) -> None:
     """Which oneDNN ISA and kernels ran in one NEW_TOKENS run of each of our systems per kind, and of vLLM's base
     (a worker started with ONEDNN_VERBOSE=1, so that its engine process prints them too)."""
     for name, system in systems.items():
@@ -193,7 +193,8 @@ def report_kernels(systems: dict, batch: int, kinds: list[str], venv: Path | Non
             print(f"\n{name}, {kind}, batch {batch}, one {NEW_TOKENS}-token run:")
             print("\n".join(report.lines()))
     if venv is not None and (venv / "bin" / "python").exists():
-        worker = VllmWorker(venv, model, adapter_root, "base", threads, onednn_verbose=True)
+        worker = VllmWorker(venv, model, adapter_root, "base", threads, onednn_verbose=True,
+                            huge_pages_too=vllm_huge_pages)
         try:
             prompts, adapters = workload(batch, "base")
             seconds, _, _ = worker.run(prompts, adapters, NEW_TOKENS)
@@ -284,7 +285,7 @@ def main() -> None:
                     same = sum(a == b for a, b in zip(ours, results[(batch, kind, name)][-1][2]))
                     print(f"  {kind:10s} greedy tokens equal to ours f32: {name} {same}/{batch}")
     if args.cpu_report:
-        report_kernels(systems, max(args.batches), kinds, venv, model, tmp, args.threads)
+        report_kernels(systems, max(args.batches), kinds, venv, model, tmp, args.threads, args.vllm_huge_pages)
     for name, system in systems.items():
         if isinstance(system, VllmWorker):
             waits = system.idle_waits
