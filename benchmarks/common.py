@@ -51,10 +51,6 @@ def smollm2_dequantised(root: Path | None = None) -> Path:
     path = fetch_smollm2()
     if path is None:
         raise SystemExit("SmolLM2 could not be fetched (see the log)")
-    import json
-
-    from safetensors.torch import save_file
-
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: embeddings
@@ -62,8 +58,9 @@ def smollm2_dequantised(root: Path | None = None) -> Path:
     config = model.config.to_dict() | {"architectures": ["LlamaForCausalLM"], "dtype": "float32"}
     config.pop("quantization_config", None)  # (the weights are plain float32 now)
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    tokenizer_dir = ModelSource.resolve(path).tokenizer_dir
     for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ModelSource.resolve(path).tokenizer_dir / file, out / file)
+        shutil.copy(tokenizer_dir / file, out / file)
     return out
 
 

@@ -15,10 +15,11 @@ from lora_compile import packed_gemm
 def test_describe_names_model_and_isa():
     line = cpu_report.describe(2)
     assert torch.backends.cpu.get_cpu_capability() in line and line.endswith("2 threads")
-    model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
     if model:
         assert model.group(1).strip() in line
-    flags = set(re.search(r"^flags\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    flags = set(re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M).group(1).split())
     have = line.split("ISA: ", 1)[1].split(" (not:", 1)[0].split()
     assert set(have) == flags & set(cpu_report.ISA_FLAGS)
 
