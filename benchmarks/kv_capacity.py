@@ -11,6 +11,7 @@ Poisson at --rate). Every engine gets kv_cache_memory = what --old-slots x --old
   a: max_num_seqs 8                       (the old design's concurrency at that memory)
   b: max_num_seqs 64, kv_growth "lazy"    (blocks as sequences grow; the newest is preempted when none is free)
   c: max_num_seqs 64, kv_growth "reserve" (prompt + max_new_tokens reserved at admission; never preempts)
+  d: b with kv_cache_dtype "bfloat16"     (the same bytes hold twice the tokens; keys and values rounded)
 
 Each is a compiled engine built in the engine thread; the same requests go through the bare engine
 (benchmarks.common.replay), configurations in turn (rounds rotate the order). Per configuration: sequences
@@ -36,7 +37,8 @@ from service.runner import engine_thread
 
 CONFIGS = {"a": dict(max_num_seqs=8, kv_growth="lazy"),
            "b": dict(max_num_seqs=64, kv_growth="lazy"),
-           "c": dict(max_num_seqs=64, kv_growth="reserve")}
+           "c": dict(max_num_seqs=64, kv_growth="reserve"),
+           "d": dict(max_num_seqs=64, kv_growth="lazy", kv_cache_dtype="bfloat16")}
 
 
 def kv_budget(model: Path, args) -> int:
@@ -83,7 +85,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["a", "b", "c"])
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

@@ -20,6 +20,10 @@ MergeMode = Literal["auto", "on", "off"]
 MERGE_MODES: tuple[str, ...] = get_args(MergeMode)
 KVGrowth = Literal["lazy", "reserve"]
 KV_GROWTH_MODES: tuple[str, ...] = get_args(KVGrowth)
+# What the KV pool stores (vLLM's and SGLang's --kv-cache-dtype): "auto", the model's dtype; "bfloat16", half of
+# float32's bytes per token (twice the tokens in one budget), attention still computed in the model's dtype.
+KVCacheDType = Literal["auto", "bfloat16"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)
 LoRAKernel = Literal["auto", "indexed", "grouped", "masked"]
 LORA_KERNELS: tuple[str, ...] = get_args(LoRAKernel)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -250,6 +254,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for EngineConfig.kv_cache_dtype `name`."""
+    return model_dtype if name == "auto" else _DTYPES[name]
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto": bfloat16 on CUDA and on CPUs that compute it natively (AVX-512 BF16 or AMX: decode streams half the
     bytes, 1.1-1.6x float32 there, docs/benchmarks.md), else float32 (emulated bf16 would be slower).
@@ -322,6 +331,9 @@ class EngineConfig:
     # "lazy": a sequence takes blocks as it grows and the newest running one is preempted (recomputed later)
     # when none is free; "reserve": admission takes blocks for prompt + max_new_tokens at once, never preempts.
     kv_growth: KVGrowth = "lazy"
+    # "bfloat16" with a float32 model: keys and values rounded to bfloat16 when written (8 mantissa bits), so
+    # greedy output may part from the float32 reference at a near-tie; "auto" keeps the exact reference.
+    kv_cache_dtype: KVCacheDType = "auto"
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None:
@@ -349,3 +361,5 @@ class EngineConfig:
             raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {self.lora_kernel!r}")
         if self.kv_growth not in KV_GROWTH_MODES:
             raise ValueError(f"kv_growth must be one of {', '.join(KV_GROWTH_MODES)}, got {self.kv_growth!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")

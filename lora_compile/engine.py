@@ -12,14 +12,13 @@ from collections.abc import Callable, Sequence as SequenceLike
 import torch
 
 from . import compile_policy, huge_pages, packed_gemm
-from .config import EngineConfig, resolve_device, resolve_dtype
+from .config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .host_memory import available_memory_bytes
 from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import DecodeGraphs, GraphShape
 from .errors import AdapterOutputError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCacheManager, kv_cache_size
-from .kv_cache.sizing import format_bytes
 from .step_output import AdmitOutcome, StepOutput
 from .layers import rope_tables
 from .lora_manager import LoRAManager
@@ -89,12 +88,12 @@ class Engine:
         if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
             self.model.prepack_weights()
         # Sized after the weights and adapter slots are allocated: on CUDA the default budget is what they leave.
-        size = kv_cache_size(config, mc, self.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        size = kv_cache_size(config, mc, self.kv_dtype, self.device)
         for layer in self.model.layers:
-            layer.self_attn.allocate_kv_cache(size.num_blocks + 1, size.block_size, self.dtype, self.device)
+            layer.self_attn.allocate_kv_cache(size.num_blocks + 1, size.block_size, self.kv_dtype, self.device)
         self.kv_cache = KVCacheManager(size, config.enable_prefix_caching)
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s), prefix caching %s, %s growth", size.num_blocks,
-                 size.block_size, size.num_tokens, format_bytes(size.nbytes),
+        log.info("KV cache: %s, prefix caching %s, %s growth", size.describe(self.kv_dtype),
                  "on" if config.enable_prefix_caching else "off", config.kv_growth)
         if self.device.type == "cpu":
             log.info(huge_pages.status())

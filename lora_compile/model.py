@@ -131,7 +131,7 @@ def attend_decode(
     scores = _softcap((qb * k.float()).sum(-1) * scale, softcap)  # (B, W, bs, Hkv, G)
     scores = scores.masked_fill(~visible[..., None, None], float("-inf")).view(batch, width * bs, n_kv, group)
     probs = torch.softmax(scores, dim=1).to(q.dtype).view(batch, width, bs, n_kv, group)
-    v = v_cache[block_table].masked_fill(~visible[..., None, None], 0)  # stale: replaced
+    v = v_cache[block_table].masked_fill(~visible[..., None, None], 0).to(q.dtype)  # stale: replaced
     out = (probs[..., None] * v[:, :, :, :, None, :]).sum((1, 2))  # (B, Hkv, G, D)
     return out.reshape(batch, n_heads * head_dim)
 
@@ -223,8 +223,8 @@ class Attention(nn.Module):
         md: AttentionMetadata = fb.attn
         window = self.sliding_window if self.window is None else self.window
         # Write this step's keys/values first, so each query block reads its own chunk from the cache too.
-        self.k_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = k
-        self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v
+        self.k_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = k.to(self.k_cache.dtype)
+        self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v.to(self.v_cache.dtype)
         if fb.compiled:
             decode = attend_decode(q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
                                    md.decode_block_table, md.decode_key_pos, self.scale, window,

@@ -177,7 +177,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def _add_kv_cache_flags(p: argparse.ArgumentParser, d: dict) -> None:
-    from lora_compile.config import KV_GROWTH_MODES
+    from lora_compile.config import KV_CACHE_DTYPES, KV_GROWTH_MODES
 
     g = p.add_argument_group("KV cache (paged; see docs/operations.md)")
     g.add_argument("--kv-cache-memory", type=byte_size, default=d["kv_cache_memory"], metavar="SIZE",
@@ -191,6 +191,10 @@ def _add_kv_cache_flags(p: argparse.ArgumentParser, d: dict) -> None:
                    help="tokens per KV block, the unit of allocation and of prefix sharing (default: %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of earlier prompts' shared prefixes")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d["kv_cache_dtype"],
+                   help="what the KV pool stores: auto, the model's dtype; bfloat16, half of float32's bytes, so "
+                        "twice the tokens in one budget (a float32 model's keys and values are rounded; attention "
+                        "still computes in float32) (default: %(default)s)")
     g.add_argument("--kv-growth", choices=KV_GROWTH_MODES, default=d["kv_growth"],
                    help="lazy: a request takes blocks as it grows; when none is free the newest running request is "
                         "preempted and recomputed later. reserve: admission takes blocks for prompt + max new "
@@ -332,6 +336,7 @@ def _engine_config(args: argparse.Namespace, model: str):
         merge_lone_adapter=args.merge_lone_adapter, merge_after_steps=args.merge_after_steps,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching, kv_growth=args.kv_growth,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

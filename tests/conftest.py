@@ -70,3 +70,41 @@ def client(served):
 
     with openai_client(served) as c:
         yield c
+
+
+# --- how scripts/test.sh spreads the files over its two workers (pytest-xdist, --dist loadfile) ----------------
+# The files whose tests share `compiled_engines` run in one worker, so each tiny model is compiled once a run
+# (a cold compile is ~70 s of a 2-core machine; two workers compiling the same graph at once pay it twice).
+COMPILED_ENGINE_FILES = ("test_cuda.py", "test_engine_compile.py", "test_engine_golden.py", "test_isolation.py",
+                         "test_kv_cache.py", "test_lora.py")
+# The longest work units start first (longest-processing-time order), so no worker is left with one long file
+# while the other idles at the end. From `scripts/test.sh --durations=0` on 2 cores, longest first; files not
+# listed follow in collection order.
+LONGEST_FIRST = ("compiled engines", "test_model_families.py", "test_real_demo.py", "test_soak.py",
+                 "test_scaleout.py", "test_fuzz.py", "test_faults.py", "test_service_process.py",
+                 "test_service_on_demand.py", "test_service_generate.py", "test_tool_calls.py", "test_connections.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the compiled-engine group."""
+    name = Path(nodeid.split("::", 1)[0]).name
+    return "compiled engines" if name in COMPILED_ENGINE_FILES else name
+
+
+def pytest_collection_modifyitems(items):
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))  # stable: file order kept within
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """loadfile over work_unit(), units handed out in collection order (LONGEST_FIRST), not by test count."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class WorkUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return WorkUnitScheduling(config, log)

@@ -41,20 +41,25 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: 
     return torch.einsum("hs,shd->hd", probs, v).reshape(-1)
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("block_size,kv_dtype", [(1, torch.float32), (3, torch.float32), (4, torch.float32),
+                                                   (16, torch.float32), (3, torch.bfloat16), (16, torch.bfloat16)],
+                         ids=["1", "3", "4", "16", "3-bf16-cache", "16-bf16-cache"])
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding-window"])
-def test_decode_attention_reads_through_block_tables(window, block_size):
+def test_decode_attention_reads_through_block_tables(window, block_size, kv_dtype):
+    """bf16-cache: float32 queries over a bfloat16 pool (--kv-cache-dtype bfloat16), computed in float32: exactly
+    the float32 result over the rounded keys and values."""
     rng, gen = random.Random(block_size), torch.Generator().manual_seed(block_size)
     n_kv, group, head_dim = 2, 3, 8
     # Four sequences at positions across block edges, their query tokens not in order.
     positions = [12, 0, 7, block_size * 2 - 1]
     lengths = [p + 1 for p in positions]
-    k_seq = [torch.randn(n, n_kv, head_dim, generator=gen) for n in lengths]
-    v_seq = [torch.randn(n, n_kv, head_dim, generator=gen) for n in lengths]
+    k_seq = [torch.randn(n, n_kv, head_dim, generator=gen).to(kv_dtype).float() for n in lengths]
+    v_seq = [torch.randn(n, n_kv, head_dim, generator=gen).to(kv_dtype).float() for n in lengths]
     num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 3
     k_cache, table = _paged(k_seq, block_size, num_blocks, random.Random(rng.random()))
     v_cache, table_v = _paged(v_seq, block_size, num_blocks, random.Random(rng.random()))
     v_cache = v_cache.view(-1, n_kv, head_dim)[_remap(table_v, table, block_size, num_blocks)].view_as(v_cache)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     q = torch.randn(6, n_kv * group, head_dim, generator=gen)
     token_idx = torch.tensor([3, 0, 5, 1])
     q_pos = torch.tensor(positions)
@@ -67,6 +72,7 @@ def test_decode_attention_reads_through_block_tables(window, block_size):
     torch.testing.assert_close(attend_decode(*args), expected, atol=1e-5, rtol=1e-5)
     compiled = _COMPILED(*args)
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
+    assert bmm.dtype == compiled.dtype == torch.float32
 
 
 def _remap(table_from: torch.Tensor, table_to: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:

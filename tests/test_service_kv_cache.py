@@ -78,7 +78,8 @@ def test_the_picker_reads_metrics_we_serve(served):
     (config,) = samples["lora_serve:cache_config_info"]
     kv = served.engine.kv_cache
     assert config.value == 1 and config.labels == {
-        "block_size": str(kv.block_size), "num_gpu_blocks": str(kv.num_blocks), "enable_prefix_caching": "True"}
+        "block_size": str(kv.block_size), "num_gpu_blocks": str(kv.num_blocks), "enable_prefix_caching": "True",
+        "cache_dtype": "auto"}
     for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total"):
         assert f"lora_serve:{name}" in samples, name
 

@@ -20,6 +20,7 @@ class SchedulerStats:
     num_kv_blocks: int           # usable blocks of block_size tokens
     block_size: int
     prefix_caching: bool
+    cache_dtype: str             # EngineConfig.kv_cache_dtype, as configured ("auto": the model's dtype)
     # Monotonic since start: prompt tokens looked up in / found in the prefix cache, and preemptions.
     prefix_cache_queries: int
     prefix_cache_hits: int

@@ -210,7 +210,8 @@ class EngineRunner(EngineDoor):
         return SchedulerStats(
             num_running=len(running), num_waiting=len(waiting), kv_cache_usage=kv.usage,
             num_kv_blocks=kv.num_blocks, block_size=kv.block_size, prefix_caching=cfg.enable_prefix_caching,
-            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            cache_dtype=cfg.kv_cache_dtype, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.engine.num_preemptions, max_loras=cfg.max_loras_per_batch,
             running_adapters=tuple(sorted({s.request.adapter for s in running if s.request.adapter})),
             waiting_adapters=tuple(sorted({s.request.adapter for s in waiting if s.request.adapter})),

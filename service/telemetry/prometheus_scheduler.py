@@ -55,8 +55,8 @@ class SchedulerCollector(Collector):
                       s.num_preemptions)
         # vLLM's cache_config_info: the endpoint picker's prefix-cache scorer sizes its per-pod index from these
         # labels (block_size, num_gpu_blocks: the blocks of the KV pool, on whichever device holds it).
-        info_labels = ["block_size", "num_gpu_blocks", "enable_prefix_caching"]
-        info_values = [str(s.block_size), str(s.num_kv_blocks), str(s.prefix_caching)]
+        info_labels = ["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"]
+        info_values = [str(s.block_size), str(s.num_kv_blocks), str(s.prefix_caching), s.cache_dtype]
         if names.vllm:  # vLLM labels its info gauges with the engine index too
             info_labels, info_values = [*info_labels, "engine"], [*info_values, "0"]
         config = GaugeMetricFamily(names("cache_config_info"), "KV cache configuration (the value is 1)",
