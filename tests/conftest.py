@@ -96,6 +96,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))  # stable: file order kept within
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without xdist ignores it
 def pytest_xdist_make_scheduler(config, log):
     """loadfile over work_unit(), units handed out in collection order (LONGEST_FIRST), not by test count."""
     if config.getvalue("dist") != "loadfile":
