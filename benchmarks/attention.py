@@ -12,7 +12,8 @@ pool of 16-token blocks (the same blocks, shuffled; each sequence's block table 
 (B, Hkv, S, D) before two bmm calls; the reduction forms read both inside Inductor's loops, with scores laid out
 (B, W, block_size, Hkv, G) (blocks outermost, the table read once per block: the engine's),
 (B, S, Hkv, G) (keys outermost through a per-key row) or (B, Hkv, G, S) (keys innermost: CUDA's before). "slots"
-is the engine's form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). Prints microseconds per call
+is the engine's form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). On the CPU, "bfloat16 pool" is
+the engine's form over the same values held in a bfloat16 pool (--kv-cache-dtype bfloat16), float32 queries. Prints microseconds per call
 (medians of interleaved rounds). On CUDA these are eager calls of compiled functions, launch-bound at these sizes
 (170-260 us whatever the form on an H100): there the decode step with CUDA graphs decides (docs/benchmarks.md).
 Batches up to 32 (the slot cache's 33 slots).
@@ -83,9 +84,12 @@ FORMS = {"paged, blocks outermost (engine)": engine_form, "slots, keys innermost
          "paged, keys outermost, per-key rows": keys_outermost, "paged, keys innermost": keys_innermost,
          "paged, gather + bmm": bmm_form}
 SHAPES = {"smollm2-135m": (3, 3, 64), "llama-1b": (8, 4, 64)}  # (Hkv, group, head_dim)
+# The engine's form over a bfloat16 pool, float32 queries (--kv-cache-dtype bfloat16 with a float32 model; CPU).
+BF16_POOL = "paged, engine, bfloat16 pool"
 
 
-def make_inputs(batch: int, keys: int, gen: torch.Generator, device: str = "cpu", dtype=torch.float32):
+def make_inputs(batch: int, keys: int, gen: torch.Generator, device: str = "cpu", dtype=torch.float32,
+                pool_dtype: torch.dtype | None = None):
     slot_k = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
     slot_v = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
     per_slot = MAX_LEN // BLOCK
@@ -104,6 +108,8 @@ def make_inputs(batch: int, keys: int, gen: torch.Generator, device: str = "cpu"
     args = tuple(a.to(device, dtype if a.is_floating_point() else a.dtype) if isinstance(a, torch.Tensor) else a
                  for a in (q, cos, sin, k_pool, v_pool, token_idx, q_pos, block_table, key_pos, HEAD_DIM ** -0.5, None,
                            slot_k, slot_v, kv_slots))
+    if pool_dtype is not None:  # the paged pools only (K, V)
+        args = args[:3] + (args[3].to(pool_dtype), args[4].to(pool_dtype)) + args[5:]
     for i, dims in ((0, (0,)), (1, (0,)), (2, (0,)), (5, (0,)), (6, (0,)), (7, (0, 1)), (8, (0,)), (13, (0,))):
         for d in dims:  # the engine's step-varying dims
             torch._dynamo.mark_dynamic(args[i], d)
@@ -122,21 +128,27 @@ def compiled_forms(device: str, dtype) -> dict:
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(1)
     forms = {}
-    for name, form in FORMS.items():
+    bf16_pool = {BF16_POOL: engine_form} if dtype == torch.float32 else {}
+    for name, form in {**FORMS, **bf16_pool}.items():
         forms[name] = torch.compile(with_rotary(form), fullgraph=True)
-        forms[name](*make_inputs(3, 8, gen, device, dtype))
+        forms[name](*make_inputs(3, 8, gen, device, dtype, torch.bfloat16 if name == BF16_POOL else None))
     return forms
 
 
 def measure(forms: dict, batch: int, keys: int, rounds: int, device: str, dtype) -> None:
-    args = make_inputs(batch, keys, torch.Generator().manual_seed(0), device, dtype)
-    reference = with_rotary(bmm_form)(*args)
+    args = {pool: make_inputs(batch, keys, torch.Generator().manual_seed(0), device, dtype, pool)
+            for pool in (None, torch.bfloat16)}  # the same values; a bfloat16 pool holds them rounded
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for fn in forms.values():
-        torch.testing.assert_close(fn(*args), reference, atol=tol, rtol=tol)
+    for pool, pool_args in args.items():  # each form against the bmm form over the same pool
+        reference = with_rotary(bmm_form)(*pool_args)
+        for name, fn in forms.items():
+            if (name == BF16_POOL) == (pool is not None):
+                torch.testing.assert_close(fn(*pool_args), reference, atol=tol, rtol=tol)
     calls = 200
     sync = torch.cuda.synchronize if device == "cuda" else None
-    us = interleaved({name: per_call_us(lambda fn=fn: fn(*args), calls, sync) for name, fn in forms.items()}, rounds)
+    inputs = {name: args[torch.bfloat16 if name == BF16_POOL else None] for name in forms}
+    us = interleaved({name: per_call_us(lambda fn=fn, a=inputs[name]: fn(*a), calls, sync)
+                      for name, fn in forms.items()}, rounds)
     print(f"\nbatch {batch}, {keys} keys: us per call")
     for name, value in us.items():
         print(f"  {name:38s} {value:8.1f}")
