@@ -34,7 +34,7 @@ HKV, GROUP, HEAD_DIM, SLOTS, MAX_LEN, BLOCK = 3, 3, 64, 33, 256, 16
 
 def keys_outermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
     """Keys outermost through a per-key cache row (kv_rows): scores (B, S, Hkv, G)."""
-    batch, s = token_idx.shape[0], key_pos.shape[0]
+    batch = token_idx.shape[0]
     rows = kv_rows(block_table, key_pos, k_cache.shape[1])
     qb = q[token_idx].view(batch, 1, HKV, GROUP, HEAD_DIM).float()
     scores = (qb * k_cache.view(-1, HKV, HEAD_DIM)[rows][:, :, :, None, :].float()).sum(-1) * scale
