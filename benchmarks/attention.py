@@ -13,8 +13,8 @@ pool of 16-token blocks (the same blocks, shuffled; each sequence's block table 
 (B, W, block_size, Hkv, G) (blocks outermost, the table read once per block: the engine's),
 (B, S, Hkv, G) (keys outermost through a per-key row) or (B, Hkv, G, S) (keys innermost: CUDA's before). "slots"
 is the engine's form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). On the CPU, "bfloat16 pool" is
-the engine's form over the same values held in a bfloat16 pool (--kv-cache-dtype bfloat16), float32 queries. Prints microseconds per call
-(medians of interleaved rounds). On CUDA these are eager calls of compiled functions, launch-bound at these sizes
+the engine's form over the same values held in a bfloat16 pool (--kv-cache-dtype bfloat16), float32 queries.
+Prints microseconds per call (medians of interleaved rounds). On CUDA these are eager calls of compiled functions, launch-bound at these sizes
 (170-260 us whatever the form on an H100): there the decode step with CUDA graphs decides (docs/benchmarks.md).
 Batches up to 32 (the slot cache's 33 slots).
 """
@@ -88,6 +88,11 @@ SHAPES = {"smollm2-135m": (3, 3, 64), "llama-1b": (8, 4, 64)}  # (Hkv, group, he
 BF16_POOL = "paged, engine, bfloat16 pool"
 
 
+def form_pool_dtype(form: str) -> torch.dtype | None:
+    """The pools' dtype a form reads (None: the queries' dtype)."""
+    return torch.bfloat16 if form == BF16_POOL else None
+
+
 def make_inputs(batch: int, keys: int, gen: torch.Generator, device: str = "cpu", dtype=torch.float32,
                 pool_dtype: torch.dtype | None = None):
     slot_k = torch.randn(SLOTS, MAX_LEN, HKV, HEAD_DIM, generator=gen)
@@ -131,23 +136,22 @@ def compiled_forms(device: str, dtype) -> dict:
     bf16_pool = {BF16_POOL: engine_form} if dtype == torch.float32 else {}
     for name, form in {**FORMS, **bf16_pool}.items():
         forms[name] = torch.compile(with_rotary(form), fullgraph=True)
-        forms[name](*make_inputs(3, 8, gen, device, dtype, torch.bfloat16 if name == BF16_POOL else None))
+        forms[name](*make_inputs(3, 8, gen, device, dtype, form_pool_dtype(name)))
     return forms
 
 
 def measure(forms: dict, batch: int, keys: int, rounds: int, device: str, dtype) -> None:
+    # The same values in every pool (a bfloat16 pool holds them rounded); each form against the bmm form over its own.
     args = {pool: make_inputs(batch, keys, torch.Generator().manual_seed(0), device, dtype, pool)
-            for pool in (None, torch.bfloat16)}  # the same values; a bfloat16 pool holds them rounded
+            for pool in {form_pool_dtype(name) for name in forms}}
+    references = {pool: with_rotary(bmm_form)(*pool_args) for pool, pool_args in args.items()}
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for pool, pool_args in args.items():  # each form against the bmm form over the same pool
-        reference = with_rotary(bmm_form)(*pool_args)
-        for name, fn in forms.items():
-            if (name == BF16_POOL) == (pool is not None):
-                torch.testing.assert_close(fn(*pool_args), reference, atol=tol, rtol=tol)
+    for name, fn in forms.items():
+        pool = form_pool_dtype(name)
+        torch.testing.assert_close(fn(*args[pool]), references[pool], atol=tol, rtol=tol)
     calls = 200
     sync = torch.cuda.synchronize if device == "cuda" else None
-    inputs = {name: args[torch.bfloat16 if name == BF16_POOL else None] for name in forms}
-    us = interleaved({name: per_call_us(lambda fn=fn, a=inputs[name]: fn(*a), calls, sync)
+    us = interleaved({name: per_call_us(lambda fn=fn, a=args[form_pool_dtype(name)]: fn(*a), calls, sync)
                       for name, fn in forms.items()}, rounds)
     print(f"\nbatch {batch}, {keys} keys: us per call")
     for name, value in us.items():

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,8 +103,6 @@ _info: list[str] = []
 
 def onednn_kernels(fn: Callable[[], object]) -> OneDnnReport:
     """Run fn() with oneDNN verbose on, its standard output captured; the summary of what oneDNN executed."""
-    import time
-
     with tempfile.TemporaryFile() as captured:
         sys.stdout.flush()
         saved = os.dup(1)

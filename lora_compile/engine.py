@@ -88,12 +88,12 @@ class Engine:
         if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
             self.model.prepack_weights()
         # Sized after the weights and adapter slots are allocated: on CUDA the default budget is what they leave.
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        size = kv_cache_size(config, mc, self.kv_dtype, self.device)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        size = kv_cache_size(config, mc, kv_dtype, self.device)
         for layer in self.model.layers:
-            layer.self_attn.allocate_kv_cache(size.num_blocks + 1, size.block_size, self.kv_dtype, self.device)
+            layer.self_attn.allocate_kv_cache(size.num_blocks + 1, size.block_size, kv_dtype, self.device)
         self.kv_cache = KVCacheManager(size, config.enable_prefix_caching)
-        log.info("KV cache: %s, prefix caching %s, %s growth", size.describe(self.kv_dtype),
+        log.info("KV cache: %s, prefix caching %s, %s growth", size.describe(kv_dtype),
                  "on" if config.enable_prefix_caching else "off", config.kv_growth)
         if self.device.type == "cpu":
             log.info(huge_pages.status())
