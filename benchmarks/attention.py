@@ -11,7 +11,8 @@ pool of 16-token blocks (the same blocks, shuffled; each sequence's block table 
 `keys` cached positions. The bmm form gathers every sequence's K into a (B, Hkv, D, S) copy and V into
 (B, Hkv, S, D) before two bmm calls; the reduction forms read both inside Inductor's loops, with scores laid out
 (B, W, block_size, Hkv, G) (blocks outermost, the table read once per block: the engine's),
-(B, S, Hkv, G) (keys outermost through a per-key row) or (B, Hkv, G, S) (keys innermost: CUDA's before). "slots"
+(B, S, Hkv, G) (keys outermost through a per-key row) or (B, Hkv, G, S) (keys innermost: CUDA's before); on
+the CPU the engine sums P·V per block before summing the blocks, "one P·V sum" is its form on CUDA. "slots"
 is the engine's form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). On the CPU, "bfloat16 pool" is
 the engine's form over the same values held in a bfloat16 pool (--kv-cache-dtype bfloat16), float32 queries.
 Prints microseconds per call (medians of interleaved rounds). On CUDA these are eager calls of compiled functions, launch-bound at these sizes
@@ -66,6 +67,12 @@ def engine_form(*args):
     return attend_decode(*args[:9])
 
 
+def one_sum(*args):
+    """The engine's form as CUDA runs it (and the CPU did before): P·V summed over all keys at once, the
+    probabilities normalised first."""
+    return attend_decode(*args[:9], per_block=False)
+
+
 def keys_innermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, scale, window, *_):
     """attend_decode before: scores (B, Hkv, G, S), keys contiguous, each through its cache row."""
     batch = token_idx.shape[0]
@@ -80,7 +87,8 @@ def keys_innermost(q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, 
     return out.reshape(batch, HKV * GROUP * HEAD_DIM)
 
 
-FORMS = {"paged, blocks outermost (engine)": engine_form, "slots, keys innermost (before paging)": slots,
+FORMS = {"paged, blocks outermost (engine)": engine_form, "paged, blocks outermost, one P·V sum": one_sum,
+         "slots, keys innermost (before paging)": slots,
          "paged, keys outermost, per-key rows": keys_outermost, "paged, keys innermost": keys_innermost,
          "paged, gather + bmm": bmm_form}
 SHAPES = {"smollm2-135m": (3, 3, 64), "llama-1b": (8, 4, 64)}  # (Hkv, group, head_dim)

@@ -175,6 +175,8 @@ class StepRecord:
     running: int     # sequences the step ran (preempted ones excluded)
     waiting: int     # requests arrived and not running (preempted ones included)
     kv_usage: float  # engine.kv_cache.usage after the step
+    kind: str = "decode"  # StepOutput.kind: "decode", "prefill" or "mixed"
+    tokens: int = 0       # tokens it produced
 
 
 @dataclass
@@ -193,6 +195,12 @@ class Replay:
         steps = [s for s in self.steps if s.waiting or not at_load]
         total = sum(s.seconds for s in steps)
         return sum(s.running * s.seconds for s in steps) / total if total else float("nan")
+
+    def decode_throughput(self) -> float:
+        """Tokens per second of the decode-only steps (no prompt chunk in them): what batching more sequences
+        speeds up, apart from the prefill work every configuration does alike."""
+        steps = [s for s in self.steps if s.kind == "decode"]
+        return sum(s.tokens for s in steps) / sum(s.seconds for s in steps) if steps else float("nan")
 
 
 def replay(engine: Engine, specs: list[RequestSpec], times: list[float]) -> Replay:
@@ -232,7 +240,8 @@ def replay(engine: Engine, specs: list[RequestSpec], times: list[float]) -> Repl
             for seq_id in out.seq_ids:
                 if math.isnan(ttft[seq_id]):
                     ttft[seq_id] = now - times[seq_id]
-            steps.append(StepRecord(now - (t_step - t0), len(running), len(waiting), engine.kv_cache.usage))
+            steps.append(StepRecord(now - (t_step - t0), len(running), len(waiting), engine.kv_cache.usage,
+                                    out.kind, len(out.token_ids)))
             engine.release_finished(running)
     finally:
         for seq in running:

@@ -103,6 +103,7 @@ def attend_decode(
     scale: float,
     sliding_window: int | torch.Tensor | None,
     softcap: float | None = None,
+    per_block: bool | None = None,  # P·V summed per block first; None: on the CPU (the device's measured form)
 ) -> torch.Tensor:
     """attend() for one query per sequence, for the compiler; returns (B, H*D).
 
@@ -116,6 +117,11 @@ def attend_decode(
       vectorised along the keys and each lane went through the table.
     - CUDA (H100, CUDA graphs, 4 layers of the 1B model): 1.66 / 2.33 ms a step at batch 8 / 64 against 1.93 /
       3.29 with keys innermost through per-key rows (and 1.53 / 2.03 for the slot cache).
+    On the CPU, P·V is summed per block first (16 keys, whose V stays in L1 while each of the G·D/8 vector lanes
+    passes over it, where one sum over all keys re-reads a sequence's V that many times), and the exponentials are
+    divided by their sum once, at the end: a batch-32 decode step at 400-token contexts 0.85-0.93x the time (paired
+    processes), batch 8 within noise; a pool that fits the cache, within noise (docs/benchmarks.md). CUDA keeps
+    its measured form (per_block=False).
     Eager would materialise the broadcast products: it calls attend()."""
     batch = token_idx.shape[0]
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -129,11 +135,18 @@ def attend_decode(
     qb = q[token_idx].view(batch, 1, 1, n_kv, group, head_dim).float()
     k = k_cache[block_table][:, :, :, :, None, :]  # (B, W, bs, Hkv, 1, D): indexing, fused into the reduction
     scores = _softcap((qb * k.float()).sum(-1) * scale, softcap)  # (B, W, bs, Hkv, G)
-    scores = scores.masked_fill(~visible[..., None, None], float("-inf")).view(batch, width * bs, n_kv, group)
-    probs = torch.softmax(scores, dim=1).to(q.dtype).view(batch, width, bs, n_kv, group)
-    v = v_cache[block_table].masked_fill(~visible[..., None, None], 0).to(q.dtype)  # stale: replaced
-    out = (probs[..., None] * v[:, :, :, :, None, :]).sum((1, 2))  # (B, Hkv, G, D)
-    return out.reshape(batch, n_heads * head_dim)
+    scores = scores.masked_fill(~visible[..., None, None], float("-inf"))
+    v = v_cache[block_table].masked_fill(~visible[..., None, None], 0)  # stale: replaced, never multiplied
+    if per_block is None:
+        per_block = q.device.type == "cpu"
+    if per_block:
+        exp = torch.exp(scores - scores.amax((1, 2), keepdim=True))  # the query's own key is visible: finite
+        block_sums = (exp[..., None] * v[:, :, :, :, None, :].float()).sum(2)  # (B, W, Hkv, G, D)
+        out = block_sums.sum(1) / exp.sum((1, 2))[..., None]
+        return out.reshape(batch, n_heads * head_dim).to(q.dtype)
+    probs = torch.softmax(scores.view(batch, width * bs, n_kv, group), dim=1).to(q.dtype)
+    out = (probs.view(batch, width, bs, n_kv, group)[..., None] * v.to(q.dtype)[:, :, :, :, None, :]).sum((1, 2))
+    return out.reshape(batch, n_heads * head_dim)  # (B, Hkv, G, D) -> (B, H*D)
 
 
 def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:

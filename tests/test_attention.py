@@ -10,8 +10,17 @@ import torch
 from lora_compile.model import attend, attend_decode
 
 
-# One compiled function for every case: dynamic shapes, so block sizes and lengths reuse its graphs.
-_COMPILED = torch.compile(attend_decode, fullgraph=True, dynamic=True)
+def _per_block(*args):
+    return attend_decode(*args, per_block=True)
+
+
+def _one_sum(*args):
+    return attend_decode(*args, per_block=False)
+
+
+# One compiled function per form for every case: dynamic shapes, so block sizes and lengths reuse its graphs.
+_COMPILED = {per_block: torch.compile(fn, fullgraph=True, dynamic=True)
+             for per_block, fn in ((True, _per_block), (False, _one_sum))}
 
 
 def _paged(seq_keys: list[torch.Tensor], block_size: int, num_blocks: int, rng: random.Random):
@@ -41,13 +50,19 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: 
     return torch.einsum("hs,shd->hd", probs, v).reshape(-1)
 
 
-@pytest.mark.parametrize("block_size,kv_dtype", [(1, torch.float32), (3, torch.float32), (4, torch.float32),
-                                                   (16, torch.float32), (3, torch.bfloat16), (16, torch.bfloat16)],
-                         ids=["1", "3", "4", "16", "3-bf16-cache", "16-bf16-cache"])
+# (block size, pool dtype, form): the CPU's form (per block) at every size; CUDA's (one sum) at a small block size
+# and the default one (one compiled graph: the sizes are dynamic).
+_CASES = [(1, torch.float32, True), (3, torch.float32, True), (4, torch.float32, True), (16, torch.float32, True),
+          (3, torch.bfloat16, True), (16, torch.bfloat16, True), (3, torch.float32, False), (16, torch.float32, False)]
+
+
+@pytest.mark.parametrize("block_size,kv_dtype,per_block", _CASES,
+                         ids=["1", "3", "4", "16", "3-bf16-cache", "16-bf16-cache", "3-one-sum", "16-one-sum"])
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding-window"])
-def test_decode_attention_reads_through_block_tables(window, block_size, kv_dtype):
+def test_decode_attention_reads_through_block_tables(window, block_size, kv_dtype, per_block):
     """bf16-cache: float32 queries over a bfloat16 pool (--kv-cache-dtype bfloat16), computed in float32: exactly
-    the float32 result over the rounded keys and values."""
+    the float32 result over the rounded keys and values. per-block: the CPU's form (P·V summed per block, divided
+    once); one-sum: CUDA's, both run here."""
     rng, gen = random.Random(block_size), torch.Generator().manual_seed(block_size)
     n_kv, group, head_dim = 2, 3, 8
     # Four sequences at positions across block edges, their query tokens not in order.
@@ -69,8 +84,8 @@ def test_decode_attention_reads_through_block_tables(window, block_size, kv_dtyp
     args = (q, k_cache, v_cache, token_idx, q_pos, table, key_pos, head_dim ** -0.5, window)
     bmm = attend(q, k_cache, v_cache, token_idx[:, None], q_pos[:, None], table, key_pos, head_dim ** -0.5, window)
     torch.testing.assert_close(bmm, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(attend_decode(*args), expected, atol=1e-5, rtol=1e-5)
-    compiled = _COMPILED(*args)
+    torch.testing.assert_close(attend_decode(*args, per_block=per_block), expected, atol=1e-5, rtol=1e-5)
+    compiled = _COMPILED[per_block](*args)
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
     assert bmm.dtype == compiled.dtype == torch.float32
 
