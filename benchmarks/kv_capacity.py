@@ -16,8 +16,8 @@ Poisson at --rate). Every engine gets kv_cache_memory = what --old-slots x --old
 Each is a compiled engine built in the engine thread; the same requests go through the bare engine
 (benchmarks.common.replay), configurations in turn (rounds rotate the order). Per configuration: sequences
 running (time-weighted mean at load, i.e. while requests waited, and over the run; max), output tokens/s over the
-run, output tokens/s of the decode-only steps (the work more running sequences batch; every configuration prefills the
-same prompts), preemptions, mean KV usage at load, and ratios to (a) within each round.
+run, output tokens/s of the decode-only steps (the work more running sequences batch; every configuration
+prefills the same prompts), preemptions, mean KV usage at load, and ratios to (a) within each round.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def kv_usage_at_load(r: Replay) -> float:
 
 
 def line(name: str, r: Replay) -> str:
-    return (f"{name}: {r.duration:6.1f} s, {r.output_tokens / r.duration:6.1f} out tok/s ({r.decode_throughput():6.1f} in "
-            f"decode-only steps); running: mean at load "
+    return (f"{name}: {r.duration:6.1f} s, {r.output_tokens / r.duration:6.1f} out tok/s "
+            f"({r.decode_throughput():6.1f} in decode-only steps); running: mean at load "
             f"{r.mean_running(at_load=True):5.1f}, over the run {r.mean_running():5.1f}, max "
             f"{max(s.running for s in r.steps):3d}; KV usage at load {kv_usage_at_load(r):.0%}; preemptions "
             f"{r.preemptions}; TTFT P50 {percentile(r.ttft, 50):.1f} s")

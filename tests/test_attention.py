@@ -18,7 +18,9 @@ def _one_sum(*args):
     return attend_decode(*args, per_block=False)
 
 
-# One compiled function per form for every case: dynamic shapes, so block sizes and lengths reuse its graphs.
+# One compiled function per form for every case: dynamic shapes, so block sizes and lengths reuse its graphs (two
+# functions, not one with a flag: each has its own code object, so the two forms do not share Dynamo's
+# recompile limit).
 _COMPILED = {per_block: torch.compile(fn, fullgraph=True, dynamic=True)
              for per_block, fn in ((True, _per_block), (False, _one_sum))}
 

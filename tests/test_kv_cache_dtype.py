@@ -25,7 +25,6 @@ def _engine(models, adapters, kv_cache_dtype: str) -> Engine:
                                  **(ENGINE_LIMITS | {"kv_cache_memory": BUDGET})))
     for name, path in adapters["llama"].items():
         engine.adapters.register(name, str(path))
-    engine.warmup()
     return engine
 
 
