@@ -8,7 +8,8 @@ A command with "times" (seconds from its start, ascending) instead adds each req
 (LLMEngine.add_request between steps, as benchmarks.common.replay admits) and writes {"ttft": [s per request, from
 its arrival], "cached_tokens": n, "prompt_tokens": m} (cached: vLLM's prefix-cache hits). {"reset_prefix_cache":
 true} forgets the prefix cache ({"reset": ok}).
-argv: model directory, adapter root, "lora" or "base", and optionally max_model_len (default 512).
+argv: model directory, adapter root, "lora" or "base", and optionally max_model_len (default 512) and the dtype
+(default float32).
 """
 import json
 import sys
@@ -47,7 +48,8 @@ def main() -> None:
     model, adapter_root, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     lora = mode == "lora"
     max_model_len = int(sys.argv[4]) if len(sys.argv) > 4 else 512
-    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, enable_lora=lora, max_loras=8 if lora else 1,
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
+    llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, enable_lora=lora, max_loras=8 if lora else 1,
               max_lora_rank=16, seed=0, disable_log_stats=False)
     ids = {}
     print(json.dumps({"ready": True}), flush=True)

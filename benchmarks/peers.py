@@ -6,7 +6,8 @@
 The SmolLM2-135M-shaped checkpoint (benchmarks.common) with 8 rank-16 adapters on all 7 projections (--real: the
 real SmolLM2-135M-Instruct, dequantised, with the demo's two rank-8 adapters under eight names), 16-token prompts, 64 greedy tokens (ignore_eos). Workloads: base / one adapter / 8 distinct adapters, at each batch size.
 Systems: ours in float32 and, where the CPU computes bf16 natively, bfloat16 (compiled engines, Engine.generate);
-vLLM-CPU (offline LLM, float32) with LoRA on and with LoRA off (torch.compile on; base workload only), each in a
+vLLM-CPU (offline LLM, float32) with LoRA on and with LoRA off (torch.compile on; base workload only), and where
+ours runs bfloat16, vLLM's base in bfloat16 too (what its dtype "auto" gives a bf16 model there), each in a
 worker process of its own virtual environment (--vllm-venv or LORA_SERVE_VLLM_VENV; skipped with a message when
 absent; install: docs/benchmarks.md). Per system and workload: TTFT of the batch (a generate of 1 token: time until
 all B sequences have their first token) and decode tok/s: B * 63 over the time from the moment every sequence has its
@@ -118,7 +119,7 @@ def wait_until_idle(root: int, window_s: float = 0.25, busy_share: float = 0.05,
 
 class VllmWorker:
     def __init__(self, venv: Path, model: Path, adapter_root: Path, mode: str, threads: int, max_model_len: int = 512,
-                 onednn_verbose: bool = False, huge_pages_too: bool = False):
+                 onednn_verbose: bool = False, huge_pages_too: bool = False, dtype: str = "float32"):
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
                    OMP_NUM_THREADS=str(threads))
         if onednn_verbose:
@@ -128,7 +129,7 @@ class VllmWorker:
         self.verbose_lines: list[str] = []  # oneDNN's verbose output since the last command
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), str(model), str(adapter_root), mode,
-                                      str(max_model_len)],
+                                      str(max_model_len), dtype],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.idle_waits: list[float] = []
         self._verbose_info: list[str] = []  # oneDNN's info lines (version, ISA), printed once at its start
@@ -250,13 +251,16 @@ def main() -> None:
         if not args.no_vllm_base:
             systems["vllm base"] = VllmWorker(venv, model, tmp, "base", args.threads,
                                               huge_pages_too=args.vllm_huge_pages)
+            if "ours bf16" in systems:  # what vLLM's users run on such a CPU: its dtype "auto" on a bf16 model
+                systems["vllm base bf16"] = VllmWorker(venv, model, tmp, "base", args.threads,
+                                                       huge_pages_too=args.vllm_huge_pages, dtype="bfloat16")
     kinds = args.kinds
     results: dict[tuple, list] = {}
     for rnd in range(args.rounds):
         for batch in args.batches:
             for kind in kinds:
                 for name, system in systems.items():
-                    if name == "vllm base" and kind != "base":
+                    if name.startswith("vllm base") and kind != "base":
                         continue
                     ttft, tps, tokens = measure(system, batch, kind)
                     results.setdefault((batch, kind, name), []).append((ttft, tps, tokens))
@@ -270,8 +274,9 @@ def main() -> None:
                 ttft = statistics.median(r[0] for r in rows)
                 tps = statistics.median(r[1] for r in rows)
                 line = f"  {kind:10s} {name:10s} TTFT(batch) {ttft:6.3f} s  decode {tps:7.1f} tok/s"
-                for ref in ("vllm base", "vllm lora"):
-                    ref_rows = results.get((batch, "base" if ref == "vllm base" else kind, ref))
+                refs = ("vllm base", "vllm lora") + (("vllm base bf16",) if name == "ours bf16" else ())
+                for ref in refs:
+                    ref_rows = results.get((batch, "base" if ref.startswith("vllm base") else kind, ref))
                     if ref_rows and name.startswith("ours"):
                         ratio = statistics.median(a[1] / b[1] for a, b in zip(rows, ref_rows))
                         line += f"  x{ratio:.2f} vs {ref}"
@@ -279,11 +284,12 @@ def main() -> None:
                     f32 = results[(batch, kind, "ours f32")]
                     line += f"  x{statistics.median(a[1] / b[1] for a, b in zip(rows, f32)):.2f} vs ours f32"
                 print(line)
-            ours = results[(batch, kind, "ours f32")][-1][2]
             for name in systems:
                 if name.startswith("vllm") and (batch, kind, name) in results:
+                    mine = "ours bf16" if name.endswith("bf16") else "ours f32"
+                    ours = results[(batch, kind, mine)][-1][2]
                     same = sum(a == b for a, b in zip(ours, results[(batch, kind, name)][-1][2]))
-                    print(f"  {kind:10s} greedy tokens equal to ours f32: {name} {same}/{batch}")
+                    print(f"  {kind:10s} greedy tokens equal to {mine}: {name} {same}/{batch}")
     if args.cpu_report:
         report_kernels(systems, max(args.batches), kinds, venv, model, tmp, args.threads, args.vllm_huge_pages)
     for name, system in systems.items():
