@@ -4,10 +4,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# Each pytest-xdist worker (scripts/test.sh runs two) and every process it starts gets its share of the cores: with
+# OpenMP's default of one thread per core in each, two workers on 2 cores run 4 spinning threads on 2 cores, and a
+# compute-bound test took ~5x its time alone. Set before torch is imported: OpenMP reads it once, at load.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
-from lora_compile import Engine, EngineConfig
-from tests.checkpoints import make_peft_adapter, make_tiny_model
+import pytest  # noqa: E402
+
+from lora_compile import Engine, EngineConfig  # noqa: E402
+from tests.checkpoints import make_peft_adapter, make_tiny_model  # noqa: E402
 
 # Kept between runs (and shared by all tests of a run) so compiled graphs are generated once.
 INDUCTOR_CACHE = os.environ.get("LORA_SERVE_TEST_INDUCTOR_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "inductor"))

@@ -64,8 +64,9 @@ class Replica:
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
 
-    def log(self) -> str:
-        return "".join(self.lines[-40:])
+    def log(self, tail: int | None = 40) -> str:
+        """The replica's output so far: its last `tail` lines (for a failure message), or all of it (None)."""
+        return "".join(self.lines if tail is None else self.lines[-tail:])
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
