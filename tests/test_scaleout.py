@@ -224,7 +224,7 @@ def test_affinity_drain_failover_and_rejoin(cluster, door_type):
             assert s.error is None, s.error
             assert (s.finish_reason, s.tokens) == ("length", room)
         assert replicas[victim].wait(drain_s) == 0, replicas[victim].log()
-        log = replicas[victim].log(tail=None)  # the drain's first line is followed by a health check a second
+        log = replicas[victim].log(tail=None)  # a long drain logs a health check each second after its first line
         # Every stream was still generating (running or queued) when SIGTERM came, and all were drained.
         in_flight = re.search(r"waiting up to \S+ for (\d+) running and (\d+) waiting", log)
         assert in_flight and int(in_flight[1]) + int(in_flight[2]) == len(streams) and "drained cleanly" in log, log
