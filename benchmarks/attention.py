@@ -16,7 +16,8 @@ the CPU the engine sums P·V per block before summing the blocks, "one P·V sum"
 is the engine's form before paging (K/V read by slot: `k_cache[kv_slots, :s]`). On the CPU, "bfloat16 pool" is
 the engine's form over the same values held in a bfloat16 pool (--kv-cache-dtype bfloat16), float32 queries.
 Prints microseconds per call (medians of interleaved rounds). On CUDA these are eager calls of compiled
-functions, launch-bound at these sizes (170-260 us whatever the form on an H100): there the decode step with CUDA graphs decides (docs/benchmarks.md).
+functions, launch-bound at these sizes (170-260 us whatever the form on an H100): there the decode step with CUDA
+graphs decides (docs/benchmarks.md).
 Batches up to 32 (the slot cache's 33 slots).
 """
 from __future__ import annotations

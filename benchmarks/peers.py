@@ -273,7 +273,7 @@ def main() -> None:
                     continue
                 ttft = statistics.median(r[0] for r in rows)
                 tps = statistics.median(r[1] for r in rows)
-                line = f"  {kind:10s} {name:10s} TTFT(batch) {ttft:6.3f} s  decode {tps:7.1f} tok/s"
+                line = f"  {kind:10s} {name:14s} TTFT(batch) {ttft:6.3f} s  decode {tps:7.1f} tok/s"
                 refs = ("vllm base", "vllm lora") + (("vllm base bf16",) if name == "ours bf16" else ())
                 for ref in refs:
                     ref_rows = results.get((batch, "base" if ref.startswith("vllm base") else kind, ref))

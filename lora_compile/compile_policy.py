@@ -147,6 +147,13 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
     return "masked" if device.type == "cuda" else "indexed"
 
 
+def decode_attention_per_block(device: torch.device) -> bool:
+    """Decode attention's P·V form (model.attend_decode), decided here: summed per KV block, then over the blocks,
+    on the CPU (a block's V stays in L1 while every vector lane passes over it: a batch-32 step at 400-token
+    contexts 0.85-0.93x the time, docs/benchmarks.md); one sum over all keys on CUDA, the form measured there."""
+    return device.type == "cpu"
+
+
 def steady_state(enabled: bool):
     """Context for steps after warm-up."""
     return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()

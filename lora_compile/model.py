@@ -103,7 +103,7 @@ def attend_decode(
     scale: float,
     sliding_window: int | torch.Tensor | None,
     softcap: float | None = None,
-    per_block: bool | None = None,  # P·V summed per block first; None: on the CPU (the device's measured form)
+    per_block: bool | None = None,  # P·V summed per block first; None: compile_policy's form for the device
 ) -> torch.Tensor:
     """attend() for one query per sequence, for the compiler; returns (B, H*D).
 
@@ -138,7 +138,7 @@ def attend_decode(
     scores = scores.masked_fill(~visible[..., None, None], float("-inf"))
     v = v_cache[block_table].masked_fill(~visible[..., None, None], 0)  # stale: replaced, never multiplied
     if per_block is None:
-        per_block = q.device.type == "cpu"
+        per_block = compile_policy.decode_attention_per_block(q.device)
     if per_block:
         exp = torch.exp(scores - scores.amax((1, 2), keepdim=True))  # the query's own key is visible: finite
         block_sums = (exp[..., None] * v[:, :, :, :, None, :].float()).sum(2)  # (B, W, Hkv, G, D)
