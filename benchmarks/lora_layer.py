@@ -3,6 +3,11 @@ uses and in the GEMM forms it replaced, at decode and at prefill sizes.
 
     python -m benchmarks.lora_layer [--tokens 9 257] [--rounds 7]
     python -m benchmarks.lora_layer --engine [--batch 32]   # the engine's step: adapters grouped vs interleaved
+    python -m benchmarks.lora_layer --dtype bfloat16 --copies 30 --tokens 9 33 --forms "8 adapters"
+    python -m benchmarks.lora_layer --engine-b-layout --tokens 8 32 --rounds 8 [--dtype bfloat16]   # (batches)
+
+--copies N: N layers of distinct weights called in turn, so that every weight comes from memory as in a 30-layer
+step (one copy stays in the caches from call to call); --forms: only the forms whose names contain one of these.
 
 SmolLM2-135M's shapes (qkv 576 -> 576+192+192, o 576 -> 576, gate_up 576 -> 2x1536, down 1536 -> 576), rank 16,
 8 adapter slots plus the zero slot, float32, packed base GEMMs. Forms:
@@ -15,7 +20,13 @@ SmolLM2-135M's shapes (qkv 576 -> 576+192+192, o 576 -> 576, gate_up 576 -> 2x15
 - indexed, grouped order: the engine's form on the same mix with each adapter's tokens adjacent (as Engine._plan
   lays out a step), so a slot's weights come from memory once and then from cache;
 - LoRA alone: the indexed LoRA delta without the base GEMMs between layers, so the adapters' weights stay in cache
-  from call to call: what the LoRA arithmetic costs, against what it costs where the base weights evict them.
+  from call to call: what the LoRA arithmetic costs, against what it costs where the base weights evict them;
+- shrink in the base GEMM: every slot's A appended to the base weight's rows, one packed GEMM for the base output
+  and all slots' shrinks, each token's own kept by index, then the indexed expand (bfloat16 on AMX is where the
+  extra rows might cost nothing);
+- B chunk-major: the indexed form with B stored (slot, out / 32, rank, 32) and the expand's output laid out by
+  32-wide chunk, so that each token reads its B as contiguous 1 KiB blocks rather than rank rows `out` apart (the
+  engine's CPU form in bfloat16, LoRALinear.b_chunk; "indexed" above is float32's).
 Prints microseconds per layer and the LoRA part (minus the base GEMMs alone), medians of interleaved rounds.
 """
 from __future__ import annotations
@@ -27,6 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lora_compile import compile_policy
 from lora_compile.layers import LoRALinear, _lora_delta_indexed
 from lora_compile.packed_gemm import packed_linear, plain_linear, prepack
 
@@ -34,11 +46,14 @@ SHAPES = [(576, (576, 192, 192)), (576, (576,)), (576, (1536, 1536)), (1536, (57
 RANK, SLOTS = 16, 8
 
 
-def make_layers() -> list[LoRALinear]:
+CHUNK = compile_policy.LORA_B_CHUNK
+
+
+def make_layers(dtype: torch.dtype = torch.float32, copies: int = 1) -> list[LoRALinear]:
     torch.manual_seed(0)
     layers = []
-    for in_features, outs in SHAPES:
-        layer = LoRALinear(in_features, outs, False, SLOTS, RANK, torch.float32, torch.device("cpu"))
+    for in_features, outs in SHAPES * copies:
+        layer = LoRALinear(in_features, outs, False, SLOTS, RANK, dtype, torch.device("cpu"))
         layer.weight.normal_(std=in_features ** -0.5)
         for slot in range(1, SLOTS + 1):
             layer.load_slot(slot, [(torch.randn(RANK, in_features) * 0.05, torch.randn(o, RANK) * 0.05) for o in outs])
@@ -51,6 +66,13 @@ def make_layers() -> list[LoRALinear]:
         # The layout the indexed form used before: B as (out, slot, rank), rank innermost.
         layer.b_out_major = layer.lora_b.permute(2, 0, 1).contiguous()
         layer.b_all_packed = [prepack(b) for b in layer.b_all]
+        layer.w_and_a = torch.cat([layer.weight, layer.a_all]).contiguous()
+        layer.w_and_a_packed = prepack(layer.w_and_a)
+        layer.chunk_major = LoRALinear(in_features, outs, False, SLOTS, RANK, dtype, torch.device("cpu"),
+                                       b_chunk=CHUNK)
+        layer.chunk_major.lora_a_stack.copy_(layer.lora_a_stack)
+        for slot in range(1, SLOTS + 1):
+            layer.chunk_major.lora_b[slot].copy_(layer.lora_b[slot].view(RANK, -1, CHUNK).transpose(0, 1))
         layers.append(layer)
     return layers
 
@@ -69,6 +91,20 @@ def indexed_out_major(layer, x, w, mask):  # the indexed form on B as (out, slot
     deltas = [(shrink[:, None, i, :] * layer.b_out_major[s:e].permute(1, 0, 2)[w]).sum(-1)
               for i, (s, e) in enumerate(layer._slices)]
     return base(layer, x) + (deltas[0] if c == 1 else torch.cat(deltas, -1))
+
+
+def shrink_in_base_gemm(layer, x, w, mask):
+    t, c, out = x.shape[0], len(layer.output_sizes), layer.out_features
+    y = packed_linear(x, layer.w_and_a, layer.w_and_a_packed)
+    shrinks = y[:, out:].view(t, SLOTS, c, RANK)
+    own = torch.where((w > 0)[:, None, None], shrinks[torch.arange(t), (w - 1).clamp(min=0)], 0)  # slot 0: zeros
+    b = layer.lora_b[w]
+    deltas = [(own[:, i, :, None] * b[:, :, s:e]).sum(1) for i, (s, e) in enumerate(layer._slices)]
+    return y[:, :out] + (deltas[0] if c == 1 else torch.cat(deltas, -1))
+
+
+def b_chunk_major(layer, x, w, mask):  # the engine's CPU form since this benchmark (LoRALinear.b_chunk)
+    return base(layer, x) + _lora_delta_indexed(layer.chunk_major, x, w)
 
 
 def lora_alone(layer, x, w, mask):  # the LoRA delta only: no base GEMM streams its weights through the caches
@@ -96,15 +132,16 @@ def compiled_layer(layers, form):
     return torch.compile(run, fullgraph=True, dynamic=False)
 
 
-def measure(tokens: int, rounds: int, layers) -> None:
+def measure(tokens: int, rounds: int, layers, chosen: list[str] | None = None) -> None:
     torch._dynamo.reset()  # every form at every size is a graph of its own: do not run into the recompile limit
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)  # one `run`, 10 forms
-    x576, x1536 = torch.randn(tokens, 576), torch.randn(tokens, 1536)
+    dtype = layers[0].weight.dtype
+    x576, x1536 = torch.randn(tokens, 576, dtype=dtype), torch.randn(tokens, 1536, dtype=dtype)
     one = torch.tensor([1] * (tokens - 1) + [0])                           # every token on slot 1, one padding
     mixed = torch.tensor([1 + t % SLOTS for t in range(tokens - 1)] + [0])  # 8 adapters; slot 0: zero rows
     grouped = torch.cat([mixed[:-1].sort().values, mixed[-1:]])  # the same mix, each adapter's tokens adjacent
-    mask_one = (one == 1).float()[:, None]
-    mask_mixed = F.one_hot(mixed, SLOTS + 1)[:, 1:].float()
+    mask_one = (one == 1).to(dtype)[:, None]
+    mask_mixed = F.one_hot(mixed, SLOTS + 1)[:, 1:].to(dtype)
     forms = {
         "base GEMMs alone": (compiled_layer(layers, lambda l, x, w, m: base(l, x)), one, mask_one),
         "1 adapter, indexed": (compiled_layer(layers, indexed), one, mask_one),
@@ -116,16 +153,26 @@ def measure(tokens: int, rounds: int, layers) -> None:
         "8 adapters, indexed, grouped order": (compiled_layer(layers, indexed), grouped, mask_mixed),
         "1 adapter, LoRA alone": (compiled_layer(layers, lora_alone), one, mask_one),
         "8 adapters, LoRA alone": (compiled_layer(layers, lora_alone), mixed, mask_mixed),
+        "8 adapters, shrink in the base GEMM, grouped order": (compiled_layer(layers, shrink_in_base_gemm), grouped,
+                                                               mask_mixed),
+        "8 adapters, B chunk-major, grouped order": (compiled_layer(layers, b_chunk_major), grouped, mask_mixed),
     }
+    forms = {name: form for name, form in forms.items()
+             if name == "base GEMMs alone" or not chosen or any(c in name for c in chosen)}
     # The forms agree (the masked ones are what the engine computed before).
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     for a, b in (("1 adapter, indexed", "1 adapter, masked GEMMs"), ("8 adapters, indexed", "8 adapters, masked GEMMs"),
                  ("1 adapter, indexed", "1 adapter, indexed, B out-major"),
-                 ("8 adapters, indexed", "8 adapters, indexed, B out-major")):
+                 ("8 adapters, indexed", "8 adapters, indexed, B out-major"),
+                 ("8 adapters, indexed, grouped order", "8 adapters, shrink in the base GEMM, grouped order"),
+                 ("8 adapters, indexed, grouped order", "8 adapters, B chunk-major, grouped order")):
+        if a not in forms or b not in forms:
+            continue
         fa, wa, ma = forms[a]
         fb, wb, mb = forms[b]
         for ya, yb in zip(fa(x576, x1536, wa, ma), fb(x576, x1536, wb, mb)):
-            torch.testing.assert_close(ya, yb, atol=1e-4, rtol=1e-4)
-    calls = max(5, 2700 // tokens)
+            torch.testing.assert_close(ya, yb, atol=tol, rtol=tol)
+    calls = max(5, 2700 // tokens // len(layers) * len(SHAPES))
     samples: dict[str, list[float]] = {name: [] for name in forms}
     for _ in range(rounds):
         for name, (fn, w, mask) in forms.items():
@@ -133,12 +180,14 @@ def measure(tokens: int, rounds: int, layers) -> None:
             for _ in range(calls):
                 fn(x576, x1536, w, mask)
             samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-    base_us = statistics.median(samples["base GEMMs alone"])
-    print(f"\n{tokens} tokens: us per layer (LoRA part = minus the base GEMMs alone)")
+    base_us = statistics.median(samples["base GEMMs alone"]) / (len(layers) // len(SHAPES))
+    copies = len(layers) // len(SHAPES)
+    print(f"\n{tokens} tokens, {dtype}, {copies} layer cop{'y' if copies == 1 else 'ies'}: us per layer (LoRA part = "
+          "minus the base GEMMs alone)")
     for name, values in samples.items():
-        us = statistics.median(values)
+        us = statistics.median(values) / copies
         part = us if name.endswith("LoRA alone") else us - base_us  # nothing of the base to take off
-        print(f"  {name:34s} {us:8.1f}   LoRA part {part:7.1f}")
+        print(f"  {name:52s} {us:8.1f}   LoRA part {part:7.1f}")
 
 
 def engine_order(batch: int, rounds: int) -> None:
@@ -181,21 +230,69 @@ def engine_order(batch: int, rounds: int) -> None:
     print(f"  interleaved / grouped per round: {' '.join(f'{r:.3f}' for r in ratios)}")
 
 
+def engine_b_layout(batches: list[int], rounds: int, dtype: str) -> None:
+    """Decode step time with 8 adapters of two engines in one process, B stored chunk-major (the CPU's bfloat16
+    form, compile_policy.lora_b_chunk) and as rank rows (float32's), steps alternating engine by engine: a
+    difference of a few percent is below the drift between processes on a shared machine."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.common import decode_step_time, register_adapters, smollm2_checkpoint, write_lora_adapters
+    from lora_compile import Engine, EngineConfig
+    from service.runner import engine_thread
+
+    model = smollm2_checkpoint()
+    names = [f"a{i}" for i in range(SLOTS)]
+    chosen = compile_policy.lora_b_chunk
+
+    def build(chunked: bool) -> Engine:
+        compile_policy.lora_b_chunk = lambda *_: compile_policy.LORA_B_CHUNK if chunked else 0  # any dtype
+        try:
+            engine = Engine(EngineConfig(model=str(model), dtype=dtype, max_num_seqs=max(batches), max_seq_len=160,
+                                         max_num_batched_tokens=512, max_loras_per_batch=SLOTS, max_lora_rank=RANK))
+        finally:
+            compile_policy.lora_b_chunk = chosen
+        register_adapters(engine, adapters)
+        engine.warmup()
+        return engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = write_lora_adapters(model, Path(tmp), names, rank=RANK)
+        engines = {"rank rows": engine_thread.call(build, False), "chunk-major": engine_thread.call(build, True)}
+        for batch in batches:
+            ms: dict[str, list[float]] = {name: [] for name in engines}
+            for r in range(rounds):
+                for name, engine in (list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]):
+                    ms[name].append(engine_thread.call(decode_step_time, engine, batch, names, 16, 48)[0] * 1e3)
+            ratios = [c / w for c, w in zip(ms["chunk-major"], ms["rank rows"])]
+            print(f"batch {batch}, 8 adapters, {dtype}: ms a decode step, rank rows "
+                  f"{statistics.median(ms['rank rows']):.2f}, chunk-major {statistics.median(ms['chunk-major']):.2f}; "
+                  f"chunk-major / rank rows per round {' '.join(f'{x:.3f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.3f})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[9, 257], help="rows (a decode step of batch B: B + 1)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--engine", action="store_true", help="the engine's step, adapters grouped vs interleaved")
     p.add_argument("--batch", type=int, default=32, help="with --engine")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--copies", type=int, default=1, help="layers of distinct weights, called in turn")
+    p.add_argument("--forms", nargs="+", help="only the forms whose names contain one of these")
+    p.add_argument("--engine-b-layout", action="store_true", help="two engines' steps: B chunk-major vs rank rows")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.engine_b_layout:
+        engine_b_layout(args.tokens, args.rounds, args.dtype)
+        return
     if args.engine:
         engine_order(args.batch, args.rounds)
         return
-    layers = make_layers()
+    layers = make_layers(getattr(torch, args.dtype), args.copies)
     with torch.no_grad():
         for tokens in args.tokens:
-            measure(tokens, args.rounds, layers)
+            measure(tokens, args.rounds, layers, args.forms)
 
 
 if __name__ == "__main__":

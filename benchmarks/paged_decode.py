@@ -2,10 +2,12 @@
 measured in its own process, the two alternating pair by pair, so drift on a shared machine hits both alike.
 
     python -m benchmarks.paged_decode --baseline /path/to/other/checkout [--batches 8 32] [--pairs 3] [--device cuda]
+        [--dtype bfloat16]
 
-On the CPU the SmolLM2-135M-shaped checkpoint, compiled, float32; on CUDA 4 layers of the Llama-3.2-1B shape,
-bfloat16, CUDA graphs, the indexed LoRA kernel and no builds ahead where the tree has those knobs (the slot tree
-had neither). Per batch size: the base model, and 8 rank-16 adapters on all 7 projections mixed across the batch. Prompts of --prompt-len tokens, then --steps decode steps timed
+On the CPU the SmolLM2-135M-shaped checkpoint, compiled, float32 (or --dtype); on CUDA 4 layers of the
+Llama-3.2-1B shape, bfloat16, CUDA graphs, the indexed LoRA kernel and no builds ahead where the tree has those
+knobs (the slot tree had neither). Per batch size: the base model, and 8 rank-16 adapters on all 7 projections
+mixed across the batch. Prompts of --prompt-len tokens, then --steps decode steps timed
 (benchmarks.common.decode_step_time, which both trees have). Prints each pair's step times and the ratio
 this tree / baseline (median over pairs).
 """
@@ -30,7 +32,8 @@ from benchmarks.common import (LLAMA_1B, decode_step_time, random_checkpoint, re
                                write_lora_adapters)
 from lora_compile import Engine, EngineConfig
 from service.runner import engine_thread
-batches, steps, prompt_len, device = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+batches, steps, prompt_len, device, dtype = (json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+                                             sys.argv[5])
 def run():
     names = [f"a{i}" for i in range(8)]
     kw = dict(max_batch_size=max(batches), max_seq_len=prompt_len + steps + 64, max_num_batched_tokens=512,
@@ -42,7 +45,7 @@ def run():
         kw.update({k: v for k, v in (("lora_kernel", "indexed"), ("overlap_batch_init", False)) if k in knobs})
     else:
         model = smollm2_checkpoint()
-        kw.update(dtype="float32")
+        kw.update(dtype=dtype)
     engine = Engine(EngineConfig(model=str(model), **kw))
     register_adapters(engine, write_lora_adapters(model, Path(tempfile.mkdtemp()), names))
     engine.warmup()
@@ -56,9 +59,10 @@ print("RESULT " + json.dumps(engine_thread.call(run)), flush=True)
 """
 
 
-def measure(tree: Path, batches: list[int], steps: int, prompt_len: int, device: str) -> dict[str, float]:
+def measure(tree: Path, batches: list[int], steps: int, prompt_len: int, device: str, dtype: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(tree), os.environ.get("PYTHONPATH")))))
-    proc = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(batches), str(steps), str(prompt_len), device],
+    argv = [json.dumps(batches), str(steps), str(prompt_len), device, dtype]
+    proc = subprocess.run([sys.executable, "-c", MEASURE, *argv],
                           cwd=tree, env=env, capture_output=True, text=True, check=True)
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -72,13 +76,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the CPU model's (CUDA: bfloat16)")
     args = p.parse_args()
     ratios: dict[str, list[float]] = {}
     for i in range(args.pairs):
         order = [("this", HERE), ("baseline", args.baseline.resolve())]
         if i % 2:
             order.reverse()
-        got = {name: measure(tree, args.batches, args.steps, args.prompt_len, args.device) for name, tree in order}
+        got = {name: measure(tree, args.batches, args.steps, args.prompt_len, args.device, args.dtype)
+               for name, tree in order}
         for key, t in got["this"].items():
             b = got["baseline"][key]
             ratios.setdefault(key, []).append(t / b)

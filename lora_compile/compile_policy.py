@@ -147,6 +147,23 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
     return "masked" if device.type == "cuda" else "indexed"
 
 
+# The CPU's bfloat16 indexed expand reads B chunk-major in runs of this many outputs (LoRALinear.b_chunk): one
+# vector of Inductor's (32 lanes), one 64-byte cache line.
+LORA_B_CHUNK = 32
+
+
+def lora_b_chunk(kernel: str, device: torch.device, dtype: torch.dtype, output_sizes: tuple[int, ...]) -> int:
+    """How a projection stores B (LoRALinear.b_chunk): chunk-major for the CPU's indexed kernel in bfloat16, when
+    every slice divides into chunks (8 adapters: decode steps 0.925x at batch 8 and 0.952x at 32, every round
+    shorter; in float32 1.005x and 1.035x, so float32 keeps rank rows: python -m benchmarks.lora_layer
+    --engine-b-layout, docs/benchmarks.md); 0 (rank rows, outputs innermost) elsewhere: CUDA's kernels read B as
+    GEMM operands."""
+    if (kernel != "indexed" or device.type != "cpu" or dtype != torch.bfloat16
+            or any(size % LORA_B_CHUNK for size in output_sizes)):
+        return 0
+    return LORA_B_CHUNK
+
+
 def decode_attention_per_block(device: torch.device) -> bool:
     """Decode attention's P·V form (model.attend_decode), decided here: summed per KV block, then over the blocks,
     on the CPU (a block's V stays in L1 while every vector lane passes over it: a batch-32 step at 400-token

@@ -41,7 +41,8 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
     modules = cfg.family.projections[path]
     sizes = tuple(shapes[m][1] for m in modules)
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
-                      block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS)
+                      block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS,
+                      b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes))
 
 
 def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:

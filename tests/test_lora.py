@@ -70,12 +70,15 @@ def _lora_reference(layer: LoRALinear, x: torch.Tensor, slots: list[int], adapte
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("b_chunk", [0, 16], ids=["rank-rows", "chunk-major"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_lora_layer_matches_per_token_reference_on_every_path(compiled):
+def test_lora_layer_matches_per_token_reference_on_every_path(compiled, b_chunk):
     """Base-only, one slot, and mixed slots, on plain and packed base weights, eager (segments) and compiled
-    (indexed): each token gets its own slot's delta; a slot loaded later is used at once."""
+    (indexed), B stored as rank rows and chunk-major (the CPU's bfloat16 layout, here in float32 with several chunks
+    a slice): each token gets its own slot's delta; a slot loaded later is used at once; merging gives W + B·A."""
     torch.manual_seed(0)
-    layer = LoRALinear(64, (64, 32, 32), bias=True, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    layer = LoRALinear(64, (64, 32, 32), bias=True, max_loras=2, max_rank=8, dtype=torch.float32,
+                       device=torch.device("cpu"), b_chunk=b_chunk)
     layer.weight.normal_()
     layer.bias.normal_()
     adapters = {2: [(torch.randn(8, 64), torch.randn(64, 8)), None, (torch.randn(4, 64), torch.randn(32, 4))]}
@@ -102,6 +105,10 @@ def test_lora_layer_matches_per_token_reference_on_every_path(compiled):
     layer.load_slot(1, adapters[1])
     for slots in cases:
         torch.testing.assert_close(run(slots), _lora_reference(layer, x, slots, adapters), atol=1e-4, rtol=1e-4)
+    merged = layer.weight.clone()
+    for (start, end), (a, b) in zip(layer._slices[1:2], adapters[1][1:2]):
+        merged[start:end] += b @ a
+    torch.testing.assert_close(layer.merged_weight(1), merged)
     layer.clear_slot(2)
     del adapters[2]
     torch.testing.assert_close(run(cases[3]), _lora_reference(layer, x, cases[3], adapters), atol=1e-4, rtol=1e-4)
