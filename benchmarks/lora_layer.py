@@ -55,8 +55,13 @@ def make_layers(dtype: torch.dtype = torch.float32, copies: int = 1) -> list[LoR
     for in_features, outs in SHAPES * copies:
         layer = LoRALinear(in_features, outs, False, SLOTS, RANK, dtype, torch.device("cpu"))
         layer.weight.normal_(std=in_features ** -0.5)
+        # The same adapters with B chunk-major (LoRALinear.b_chunk), loaded the way the engine loads them.
+        layer.chunk_major = LoRALinear(in_features, outs, False, SLOTS, RANK, dtype, torch.device("cpu"),
+                                       b_chunk=CHUNK)
         for slot in range(1, SLOTS + 1):
-            layer.load_slot(slot, [(torch.randn(RANK, in_features) * 0.05, torch.randn(o, RANK) * 0.05) for o in outs])
+            parts = [(torch.randn(RANK, in_features) * 0.05, torch.randn(o, RANK) * 0.05) for o in outs]
+            layer.load_slot(slot, parts)
+            layer.chunk_major.load_slot(slot, parts)
         layer.prepack()
         # What the masked all-slots form kept: every slot's A, and per slice every slot's B, oneDNN-packed.
         layer.a_all = layer.lora_a_stack[1:].reshape(SLOTS * layer.slot_rows, in_features).contiguous()
@@ -68,11 +73,6 @@ def make_layers(dtype: torch.dtype = torch.float32, copies: int = 1) -> list[LoR
         layer.b_all_packed = [prepack(b) for b in layer.b_all]
         layer.w_and_a = torch.cat([layer.weight, layer.a_all]).contiguous()
         layer.w_and_a_packed = prepack(layer.w_and_a)
-        layer.chunk_major = LoRALinear(in_features, outs, False, SLOTS, RANK, dtype, torch.device("cpu"),
-                                       b_chunk=CHUNK)
-        layer.chunk_major.lora_a_stack.copy_(layer.lora_a_stack)
-        for slot in range(1, SLOTS + 1):
-            layer.chunk_major.lora_b[slot].copy_(layer.lora_b[slot].view(RANK, -1, CHUNK).transpose(0, 1))
         layers.append(layer)
     return layers
 
@@ -103,7 +103,7 @@ def shrink_in_base_gemm(layer, x, w, mask):
     return y[:, :out] + (deltas[0] if c == 1 else torch.cat(deltas, -1))
 
 
-def b_chunk_major(layer, x, w, mask):  # the engine's CPU form since this benchmark (LoRALinear.b_chunk)
+def b_chunk_major(layer, x, w, mask):  # the engine's CPU form in bfloat16 (LoRALinear.b_chunk)
     return base(layer, x) + _lora_delta_indexed(layer.chunk_major, x, w)
 
 
@@ -180,8 +180,8 @@ def measure(tokens: int, rounds: int, layers, chosen: list[str] | None = None) -
             for _ in range(calls):
                 fn(x576, x1536, w, mask)
             samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-    base_us = statistics.median(samples["base GEMMs alone"]) / (len(layers) // len(SHAPES))
     copies = len(layers) // len(SHAPES)
+    base_us = statistics.median(samples["base GEMMs alone"]) / copies
     print(f"\n{tokens} tokens, {dtype}, {copies} layer cop{'y' if copies == 1 else 'ies'}: us per layer (LoRA part = "
           "minus the base GEMMs alone)")
     for name, values in samples.items():

@@ -6,9 +6,8 @@ import asyncio
 import pytest
 
 from lora_compile import SamplingParams
-from service.runner import engine_thread
+from service.runner import engine_thread, scheduler
 from service.runner.request import GenerationRequest, RequestEventType
-from service.runner import scheduler
 from service.runner.scheduler import EngineRunner
 from tests.conftest import build_engine
 
