@@ -15,9 +15,10 @@
 # Tracing: OTEL_EXPORTER_OTLP_ENDPOINT and the other OTEL_* variables (docs/tracing.md; docker-compose.yml).
 FROM python:3.11-slim
 
-# torch.compile's CPU backend (Inductor) compiles C++ kernels at warm-up: it needs a compiler.
+# torch.compile's CPU backend (Inductor) compiles C++ kernels at warm-up: it needs a compiler. TCMalloc: the
+# server preloads it when present (service/allocator.py; faster CPU decode steps than glibc's malloc).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
+    && apt-get install -y --no-install-recommends g++ libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
 
 ENV PYTHONUNBUFFERED=1 \

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from service import allocator
+
 # The flags that decide which kernels oneDNN and Inductor generate on x86.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
              "amx_tile", "amx_bf16")
@@ -34,13 +36,15 @@ def _cpuinfo() -> tuple[str, set[str]]:
 
 
 def describe(threads: int | None = None) -> str:
-    """One line: model, cores this process may use, the ISA flags present and absent, torch's kernel capability."""
+    """One line: model, cores this process may use, the ISA flags present and absent, torch's kernel capability,
+    the memory allocator (service.allocator)."""
     model, flags = _cpuinfo()
     cores = len(os.sched_getaffinity(0))
     have = [f for f in ISA_FLAGS if f in flags]
     missing = [f for f in ISA_FLAGS if f not in flags]
     line = (f"CPU: {model}, {cores} cores; ISA: {' '.join(have) or '-'} (not: {' '.join(missing) or '-'}); "
             f"torch kernels: {torch.backends.cpu.get_cpu_capability()}")
+    line += "; allocator: " + ("TCMalloc" if allocator.loaded() else "glibc malloc")  # it moves step times
     return line + (f"; {threads} threads" if threads else "")
 
 

@@ -34,6 +34,7 @@ from benchmarks.serving import arrivals, percentile
 from lora_compile import Engine, EngineConfig
 from lora_compile.config import ModelConfig, resolve_device, resolve_dtype
 from lora_compile.kv_cache.sizing import bytes_per_block, format_bytes
+from service import allocator
 from service.runner import engine_thread
 
 CONFIGS = {"a": dict(max_num_seqs=8, kv_growth="lazy"),
@@ -91,6 +92,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model = smollm2_checkpoint()
     names = [f"a{i}" for i in range(args.adapters)]

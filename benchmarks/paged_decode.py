@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from service import allocator
+
 HERE = Path(__file__).resolve().parent.parent
 
 # Runs inside each tree, with only what both trees have.
@@ -79,6 +81,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the CPU model's (CUDA: bfloat16)")
     args = p.parse_args()
+    allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
     ratios: dict[str, list[float]] = {}
     for i in range(args.pairs):
         order = [("this", HERE), ("baseline", args.baseline.resolve())]

@@ -17,7 +17,9 @@ next system waits until vLLM's processes are idle (its engine keeps polling at a
 Every table names the CPU (model, ISA flags, torch's kernel capability: benchmarks.cpu_report). --cpu-report adds,
 after the tables, which oneDNN ISA and kernels ran in one decode run of each system at the largest batch
 (ONEDNN_VERBOSE; vLLM in a worker of its own started with it on). vLLM runs without our huge-page default
-(lora_compile.huge_pages), as its users run it, unless --vllm-huge-pages.
+(lora_compile.huge_pages), as its users run it, unless --vllm-huge-pages. Both run on TCMalloc where the system
+has it: the benchmark re-executes itself with it preloaded as lora-serve does (service.allocator), and vLLM's
+workers inherit the preload, as vLLM's CPU install guide sets it (LORA_SERVE_ALLOCATOR=system: neither).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from benchmarks.common import (
 from lora_compile import Engine, EngineConfig, SamplingParams, huge_pages
 from lora_compile.packed_gemm import native_bf16  # where the engine's `auto` picks bf16
 from lora_serve_demo.smollm2 import demo_adapters
+from service import allocator
 from service.runner import engine_thread
 
 NEW_TOKENS = 64
@@ -224,6 +227,7 @@ def main() -> None:
                    help="the real demo model (SmolLM2-135M-Instruct dequantised to float32) and its two adapters, "
                         "pirate and shout, under the names a0..a7 alternately")
     args = p.parse_args()
+    allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
     torch.set_num_threads(args.threads)
     engine_thread.call(torch.set_num_threads, args.threads)
     names = [f"a{i}" for i in range(8)]

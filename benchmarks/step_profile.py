@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import cpu_report
 from benchmarks.common import decode_step_time, register_adapters, smollm2_checkpoint, write_lora_adapters
 from lora_compile import Engine, EngineConfig
+from service import allocator
 from service.runner import engine_thread
 
 GEMM = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
@@ -50,6 +51,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
     engine_thread.call(torch.set_num_threads, args.threads)
     print(cpu_report.describe(args.threads))
     model = smollm2_checkpoint()

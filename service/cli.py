@@ -349,6 +349,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["trace-summary"]:  # the one subcommand; plain `lora-serve [flags]` serves
         from service.tools.trace_summary import main as trace_summary_main
         return trace_summary_main(argv[1:])
+    from service import allocator
+    allocator.reexec_with_tcmalloc()  # before torch is imported; returns where TCMalloc is in place or not wanted
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -376,6 +378,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         server_config = _server_config(args)
         t0 = time.perf_counter()
         log.info("loading model from %s", model)
+        log.info(allocator.status())
         engine = engine_thread.call(Engine, engine_config)  # torch runs in that one thread only
         log.info("model %s (%s) loaded in %.1fs on %s, %s, %s weights%s", engine.model_name,
                  engine.model_config.architecture, time.perf_counter() - t0, engine.device,

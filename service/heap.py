@@ -2,9 +2,10 @@
 
 A burst of ~1 MB requests leaves their freed buffers in glibc's malloc arenas: measured here, 12 x 8 refused
 1 MB prompts took a server from 304 to 389 MiB and it stayed there; malloc_trim(0) brought it back to 314 MiB.
-So a large request schedules one trim shortly after it (debounced: a burst trims once). A refused request is
-still held by its exception's traceback cycle until the collector runs, so the trim follows a collection (of
-what is not frozen: gc.freeze() after warm-up keeps this cheap)."""
+So a large request schedules one trim shortly after it (debounced: a burst trims once): malloc_trim, or under
+TCMalloc (the server's default allocator, service.allocator) its MallocExtension_ReleaseFreeMemory. A refused
+request is still held by its exception's traceback cycle until the collector runs, so the trim follows a
+collection (of what is not frozen: gc.freeze() after warm-up keeps this cheap)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,12 +15,19 @@ import gc
 import logging
 import time
 
+from service import allocator
+
 log = logging.getLogger(__name__)
 LARGE_REQUEST_BYTES = 256 * 1024
 
 
 def _malloc_trim():
+    """malloc_trim(pad) of the allocator in use: glibc's, or TCMalloc's release of its free pages (service.allocator)."""
+    tcmalloc = allocator.loaded()
     try:
+        if tcmalloc is not None:
+            release = ctypes.CDLL(tcmalloc).MallocExtension_ReleaseFreeMemory
+            return lambda pad: release()
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
         return None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from service import allocator
 from service.client import LoraServeClient, UnavailableError
 from tests.service_harness import demo_paths
 
@@ -72,6 +73,12 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
         assert "moved out of the garbage collector's reach" in log  # gc.freeze() after warm-up
         assert "serving the random demo model" in log
         assert "writing the demo" not in log  # demo_paths() wrote it before: nothing to write
+        # TCMalloc where the system has it (service.allocator), in the PID that was started: exec, not a child
+        maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+        if allocator.find_tcmalloc() is not None:
+            assert "memory allocator: TCMalloc" in log and "libtcmalloc" in maps
+        else:
+            assert "memory allocator: glibc malloc; TCMalloc not found" in log and "libtcmalloc" not in maps
 
         # The CLI client against the real process.
         info = server.cli("info")
