@@ -350,7 +350,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         from service.tools.trace_summary import main as trace_summary_main
         return trace_summary_main(argv[1:])
     from service import allocator
-    allocator.reexec_with_tcmalloc()  # before torch is imported; returns where TCMalloc is in place or not wanted
+    if argv == sys.argv[1:]:  # the process's own command line (an embedding caller's process is left alone)
+        allocator.reexec_with_tcmalloc()  # before torch is imported; returns where TCMalloc is in place or unwanted
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -22,7 +22,8 @@ LARGE_REQUEST_BYTES = 256 * 1024
 
 
 def _malloc_trim():
-    """malloc_trim(pad) of the allocator in use: glibc's, or TCMalloc's release of its free pages (service.allocator)."""
+    """malloc_trim(pad) of the allocator in use: glibc's, or TCMalloc's release of its free pages
+    (service.allocator)."""
     tcmalloc = allocator.loaded()
     try:
         if tcmalloc is not None:
