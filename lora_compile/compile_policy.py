@@ -49,6 +49,11 @@ def configure(cache_dir: str | None) -> Path:
     # calls per layer, 30 layers a step); the inputs are guarded already and our one extern op's outputs are
     # contiguous by construction (packed_gemm). vLLM's CPU backend turns them off too.
     torch._inductor.config.size_asserts = False
+    # Inductor splits a CPU loop over the threads only where its size hint promises min_chunk_size (512)
+    # elements a thread. The hints are warm-up's sizes (3 decodes, one KV block), so decode attention's softmax
+    # passes ran on one core while the other waited, at any batch. At 1 every loop with two units of work is
+    # shared: decode steps 3-6 % shorter at batch 32, 1-4 % at 8 (docs/benchmarks.md).
+    torch._inductor.config.cpp.min_chunk_size = 1
     torch._functorch.config.enable_autograd_cache = True
     # Separate symbols for equal-sized dims at trace time; otherwise a later mismatch would recompile.
     torch.fx.experimental._config.use_duck_shape = False
