@@ -24,6 +24,10 @@ from service import allocator
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
              "amx_tile", "amx_bf16")
 
+# What caps the ISA below the CPU's: oneDNN's kernels (either name), and ATen's and Inductor's vector code
+# (Inductor picks its ISA from ATEN_CPU_CAPABILITY).
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
 
 def _cpuinfo() -> tuple[str, set[str]]:
     try:
@@ -44,6 +48,9 @@ def describe(threads: int | None = None) -> str:
     missing = [f for f in ISA_FLAGS if f not in flags]
     line = (f"CPU: {model}, {cores} cores; ISA: {' '.join(have) or '-'} (not: {' '.join(missing) or '-'}); "
             f"torch kernels: {torch.backends.cpu.get_cpu_capability()}")
+    # An ISA capped by the environment (emulating an older CPU on this one) changes every kernel: said on the line.
+    caps = [f"{var}={os.environ[var]}" for var in ISA_CAPS if os.environ.get(var)]
+    line += f"; capped: {' '.join(caps)}" if caps else ""
     line += "; allocator: " + ("TCMalloc" if allocator.loaded() else "glibc malloc")  # it moves step times
     return line + (f"; {threads} threads" if threads else "")
 

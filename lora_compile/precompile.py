@@ -40,6 +40,7 @@ class RecompileError(RuntimeError):
 def artifact_key(model: torch.nn.Module) -> str:
     """Hash of what the traced stack depends on (see the module docstring)."""
     from torch._inductor import config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     h = hashlib.sha256()
     h.update(f"{torch.__version__} {sys.version_info[:3]} {model.config!r} {model.lora_kernel}".encode())
@@ -47,6 +48,10 @@ def artifact_key(model: torch.nn.Module) -> str:
     # into the generated code), deterministic algorithms.
     h.update(repr(sorted(inductor_config.save_config_portable().items())).encode())
     h.update(f"{torch.get_num_threads()} {torch.are_deterministic_algorithms_enabled()}".encode())
+    # The vector ISA the CPU kernels are written for (loop steps are its lane counts) and the one they would be
+    # compiled for on loading: a stack saved under AVX-512 and reloaded under AVX2 (another CPU sharing the
+    # directory, or ATEN_CPU_CAPABILITY) gave NaN logits, half of every vector loop skipped.
+    h.update(f"{pick_vec_isa()} {torch.backends.cpu.get_cpu_capability()}".encode())
     package = Path(__file__).resolve().parent
     for source in sorted(package.glob("*.py")):
         h.update(source.name.encode() + source.read_bytes())

@@ -214,8 +214,9 @@ def test_small_slot_counts_warm_up_and_never_recompile(models, adapters, max_lor
         engine.generate([[5, 6, 7]] * len(mix), sp, adapters=mix)  # raises on a recompile
 
 
-def test_the_saved_stack_key_follows_what_shapes_the_graph(models):
-    """Equal settings share a saved stack; limits, packing and dtype that change the graph's tensors do not."""
+def test_the_saved_stack_key_follows_what_shapes_the_graph(models, monkeypatch):
+    """Equal settings share a saved stack; limits, packing and dtype that change the graph's tensors do not, nor
+    does another vector ISA for the generated code (another CPU sharing the directory)."""
     def key(**changes):
         config = EngineConfig(model=str(models["llama"]), compile=False, **(ENGINE_LIMITS | changes))
         return artifact_key(Engine(config).model)
@@ -229,3 +230,5 @@ def test_the_saved_stack_key_follows_what_shapes_the_graph(models):
     changed = [key(max_seq_len=128), key(block_size=8), key(max_lora_rank=8), key(max_loras_per_batch=2),
                key(prepack_weights=False), key(dtype="bfloat16")]
     assert len({base, *changed}) == len(changed) + 1
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # what Inductor writes its CPU kernels for: scalar code
+    assert key() != base
