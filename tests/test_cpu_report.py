@@ -2,7 +2,10 @@
 packed linear layer ran (ONEDNN_VERBOSE), read back from standard output."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,9 +62,6 @@ print("IMPL", *sorted({k.implementation for k in report.kernels}))
 @pytest.mark.skipif(not packed_gemm.available(torch.device("cpu"), torch.float32), reason="no oneDNN packing")
 def test_an_isa_capped_by_the_environment_is_named_and_holds():
     """An older CPU emulated on this one (docs/benchmarks.md): every kernel family runs AVX2, and the line says so."""
-    import os
-    import subprocess
-    import sys
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("the CPU has no AVX2")
     env = os.environ | {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}

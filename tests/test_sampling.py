@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lora_compile import SamplingParams, Sequence
-from lora_compile.sampling import GREEDY_BELOW_TEMPERATURE, NON_FINITE, sample
+from lora_compile.sampling import GREEDY_BELOW_TEMPERATURE, NON_FINITE, argmax, sample
 from tests.checkpoints import load_reference
 from tests.conftest import build_engine
 from tests.test_engine_golden import PROMPTS
@@ -145,3 +145,16 @@ def test_a_non_finite_row_gets_no_token_and_leaves_the_others_alone(bad):
         alone = sample(logits[row:row + 1].clone(), [seqs()[row]])
         assert batch.token_ids[row] == alone.token_ids[0] != NON_FINITE
     assert batch.logprobs[3] == alone.logprobs[0] and batch.top_logprobs[3] == alone.top_logprobs[0]
+
+
+def test_argmax_picks_as_torch_argmax_does():
+    """The sampler's one-pass argmax (max's indices) against torch.argmax: the first of equal maxima, however far
+    apart across a vocabulary-sized row, a NaN wherever it is, and a row of -inf."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 49152, generator=gen)
+    x[0, [100, 40000]] = 9.0           # tied, far apart
+    x[1, [30000, 45000]] = math.nan    # NaN counts as the largest, the first one
+    x[2] = -math.inf
+    x[3, [7, 8]] = math.inf
+    x[4, 49151] = 50.0                 # the last column
+    assert argmax(x).tolist() == x.argmax(dim=-1).tolist() == [100, 30000, 0, 7, 49151, int(x[5].argmax())]
