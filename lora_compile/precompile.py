@@ -48,10 +48,10 @@ def artifact_key(model: torch.nn.Module) -> str:
     # into the generated code), deterministic algorithms.
     h.update(repr(sorted(inductor_config.save_config_portable().items())).encode())
     h.update(f"{torch.get_num_threads()} {torch.are_deterministic_algorithms_enabled()}".encode())
-    # The vector ISA the CPU kernels are written for (loop steps are its lane counts) and the one they would be
-    # compiled for on loading: a stack saved under AVX-512 and reloaded under AVX2 (another CPU sharing the
+    # The vector ISA the CPU kernels are written for (loop steps are its lane counts), which Inductor also compiles
+    # them for when they load: a stack saved under AVX-512 and reloaded under AVX2 (another CPU sharing the
     # directory, or ATEN_CPU_CAPABILITY) gave NaN logits, half of every vector loop skipped.
-    h.update(f"{pick_vec_isa()} {torch.backends.cpu.get_cpu_capability()}".encode())
+    h.update(str(pick_vec_isa()).encode())
     package = Path(__file__).resolve().parent
     for source in sorted(package.glob("*.py")):
         h.update(source.name.encode() + source.read_bytes())
