@@ -21,12 +21,11 @@ base and 8-adapter rows to see LoRA's share of a whole step.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from benchmarks import cpu_report
+from benchmarks.common import interleaved, per_call_us
 from benchmarks.lora_layer import RANK, SHAPES, SLOTS
 from lora_compile import compile_policy
 from lora_compile.layers import LoRALinear, _lora_delta_indexed
@@ -36,20 +35,15 @@ LAYERS = 30  # SmolLM2-135M's decoder layers: one step's LoRA work
 STREAM_BYTES = 600 * 2**20
 
 
-def run_times(fn, rounds: int) -> list[float]:
-    fn()  # compiled on the first call
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def stream_gbs(dtype: torch.dtype, rounds: int) -> float:
-    rows = torch.randn(STREAM_BYTES // (4096 * torch.finfo(dtype).bits // 8), 4096).to(dtype)
+    """GB/s of the best of `rounds` reads by Inductor's code in `dtype`: what our generated kernels can read
+    (`python -m benchmarks.gemm --bandwidth` times ATen's float32 sum; ATen's bfloat16 sum reads several times
+    slower, so it cannot stand for a bfloat16 kernel)."""
+    rows = torch.randn(STREAM_BYTES // (4096 * dtype.itemsize), 4096).to(dtype)
     row_sum = torch.compile(lambda t: t.float().sum(-1))
-    return rows.numel() * rows.element_size() / min(run_times(lambda: row_sum(rows), rounds)) / 1e9
+    row_sum(rows)  # compiled on the first call
+    read = per_call_us(lambda: row_sum(rows), 1)
+    return rows.nbytes / min(read() for _ in range(rounds)) / 1e3
 
 
 def make_projections(dtype: torch.dtype, copies: int) -> list[LoRALinear]:
@@ -81,16 +75,16 @@ def measure(dtype: torch.dtype, tokens_list: list[int], copies: int, rounds: int
     name = str(dtype).removeprefix("torch.")
     print(f"{name}: stream (Inductor row sum over {STREAM_BYTES >> 20} MiB) {stream:.1f} GB/s", flush=True)
     layers = make_projections(dtype, copies)
-    size = torch.finfo(dtype).bits // 8
-    bytes_per_step = sum(layer.lora_a_stack[1:].numel() + layer.lora_b[1:].numel() for layer in layers) * size // copies
-    macs_per_token = bytes_per_step // size // SLOTS  # each token through its own adapter's A and B
+    bytes_per_step = sum(layer.lora_a_stack[1:].nbytes + layer.lora_b[1:].nbytes for layer in layers) // copies
+    macs_per_token = bytes_per_step // dtype.itemsize // SLOTS  # each token through its own adapter's A and B
     run = lora_delta_fn(layers)
     for tokens in tokens_list:
         xs = {n: torch.randn(tokens, n).to(dtype) for n in {i for i, _ in SHAPES}}
         w = (torch.arange(tokens) % SLOTS + 1).sort().values  # every adapter, its tokens adjacent
         for t in (w, *xs.values()):
             torch._dynamo.mark_dynamic(t, 0)
-        s = statistics.median(run_times(lambda: run(xs, w), rounds)) / copies
+        run(xs, w)  # compiled on the first call
+        s = interleaved({"delta": per_call_us(lambda: run(xs, w), 1)}, rounds)["delta"] / 1e6 / copies
         gbs = bytes_per_step / s / 1e9
         print(f"  {tokens:3d} tokens: LoRA delta {1e3 * s:6.2f} ms per {LAYERS} layers, {gbs:5.1f} GB/s "
               f"({100 * gbs / stream:3.0f} % of stream; at stream {1e3 * bytes_per_step / stream / 1e9:.2f} ms), "
