@@ -137,10 +137,10 @@ def register_adapters(engine: Engine, adapters: dict[str, Path]) -> None:
 
 def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], steps: int = 16,
                      prompt_len: int = 64, timed: Callable[[], AbstractContextManager] = nullcontext,
-                     **sampling) -> tuple[float, float]:
+                     outputs: list | None = None, **sampling) -> tuple[float, float]:
     """Mean seconds per decode step at `batch` sequences (after prefill), and mean batch-init seconds.
-    `timed()`: a context around the timed steps alone (a profiler, say). `sampling`: more SamplingParams fields
-    (a structured output, say)."""
+    `timed()`: a context around the timed steps alone (a profiler, say). `outputs`: receives the timed steps'
+    StepOutputs. `sampling`: more SamplingParams fields (a structured output, say)."""
     seqs = [Sequence(i, [(7 * i + j) % 500 + 3 for j in range(prompt_len)],
                      # room for the tokens of early finishers while a small step budget prefills the rest
                      SamplingParams(max_new_tokens=min(engine.config.max_seq_len - prompt_len, steps + 8 + batch * prompt_len),
@@ -157,7 +157,10 @@ def decode_step_time(engine: Engine, batch: int, adapters: list[str | None], ste
         with timed():
             t0 = time.perf_counter()
             for _ in range(steps):
-                init += engine.step(seqs).batch_init_s
+                out = engine.step(seqs)
+                init += out.batch_init_s
+                if outputs is not None:
+                    outputs.append(out)
             elapsed = time.perf_counter() - t0
     finally:
         for s in seqs:

@@ -6,8 +6,11 @@ A Llama-3.2-1B-like random model (benchmarks.common.LLAMA_1B) in bfloat16, rank-
 projections. Every configuration is measured in turn, round after round (benchmarks.common.interleaved), and the
 ratios come from one run.
 
-    python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64] [--kernels masked grouped indexed]
-        [--no-graphs] [--peft-batches 8 32]
+    python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64] [--kernels triton masked grouped indexed]
+        [--no-graphs] [--peft-batches 8 32] [--prefill 8 64 --prefill 8 256] [--trace DIR]
+
+--trace DIR: then the GPU's kernel records of decode steps (batches --trace-batches) and of each prefill, per kernel
+(benchmarks.cuda_profile), printed by kernel family and written to DIR.
 """
 from __future__ import annotations
 
@@ -35,15 +38,17 @@ KINDS = {"base": lambda names: [None], "1 adapter": lambda names: names[:1], "8 
 PROMPT_LEN = 64
 
 
-def build_engine(model: Path, adapters: dict[str, Path], max_batch: int, cuda_graphs: bool, kernel: str) -> Engine:
+def build_engine(model: Path, adapters: dict[str, Path], max_batch: int, cuda_graphs: bool, kernel: str,
+                 attention: str = "auto") -> Engine:
     engine = Engine(EngineConfig(model=str(model), device="cuda", dtype="bfloat16", max_num_seqs=max_batch,
                                  max_seq_len=512, max_num_batched_tokens=2048, max_loras_per_batch=8,
-                                 max_lora_rank=16, cuda_graphs=cuda_graphs, lora_kernel=kernel))
+                                 max_lora_rank=16, cuda_graphs=cuda_graphs, lora_kernel=kernel,
+                                 attention_backend=attention))
     register_adapters(engine, adapters)
     t0 = time.perf_counter()
     engine.warmup()
-    print(f"engine ({kernel} LoRA, CUDA graphs {'on' if cuda_graphs else 'off'}): warm-up "
-          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"engine ({kernel} LoRA, {engine.attention_backend} attention, CUDA graphs "
+          f"{'on' if cuda_graphs else 'off'}): warm-up {time.perf_counter() - t0:.1f}s", flush=True)
     return engine
 
 
@@ -84,10 +89,14 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--kernels", nargs="+", default=["masked", "grouped", "indexed"],
-                   choices=["grouped", "masked", "indexed"])
-    p.add_argument("--prefill", type=int, nargs=2, default=[8, 256], metavar=("SEQS", "TOKENS"),
-                   help="also one prefill step of SEQS prompts of TOKENS tokens, base and 8 adapters (default 8 256)")
+    p.add_argument("--kernels", nargs="+", default=["triton", "masked", "grouped", "indexed"],
+                   choices=["triton", "grouped", "masked", "indexed"])
+    p.add_argument("--prefill", type=int, nargs=2, action="append", metavar=("SEQS", "TOKENS"),
+                   help="also one prefill step of SEQS prompts of TOKENS tokens, base and 8 adapters; repeatable "
+                        "(default 8 256)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "inductor"])
+    p.add_argument("--trace", type=Path, default=None, help="write the kernel records of traced steps here")
+    p.add_argument("--trace-batches", type=int, nargs="+", default=[8, 64])
     p.add_argument("--no-graphs", action="store_true", help="also the first kernel's steps without CUDA graphs")
     p.add_argument("--peft-batches", type=int, nargs="*", default=None, help="batches peft runs at (default: all)")
     p.add_argument("--no-peft", action="store_true")
@@ -105,7 +114,7 @@ def main() -> None:
         adapters = write_lora_adapters(model, Path(tmp), names)
         max_batch = max(args.batches)
         configs = [(k, True) for k in args.kernels] + ([(args.kernels[0], False)] if args.no_graphs else [])
-        engines = {c: build_engine(model, adapters, max_batch, c[1], c[0]) for c in configs}
+        engines = {c: build_engine(model, adapters, max_batch, c[1], c[0], args.attention_backend) for c in configs}
         peft = None if args.no_peft or not peft_batches else peft_model(model, adapters)
         inits: dict[str, list[float]] = {}
 
@@ -117,13 +126,16 @@ def main() -> None:
             return measure
 
         measures = {}
-        prefill_seqs, prefill_len = args.prefill
+        prefills = args.prefill or [(8, 256)]
         for config in configs:
             for kind in ("base", "8 adapters"):
                 if kind == "base" and config[0] != args.kernels[0]:
                     continue
-                measures[f"prefill {config} {kind}"] = (
-                    lambda c=config, k=kind: prefill_step_time(engines[c], prefill_seqs, KINDS[k](names), prefill_len))
+                for seqs, length in prefills:
+                    # first calls of these sizes (cuBLAS heuristics, allocator growth) outside the measurement
+                    prefill_step_time(engines[config], seqs, KINDS[kind](names), length)
+                    measures[f"prefill {seqs}x{length} {config} {kind}"] = (
+                        lambda c=config, k=kind, s=seqs, n=length: prefill_step_time(engines[c], s, KINDS[k](names), n))
         for batch in args.batches:
             for kind in KINDS:
                 for config in configs:
@@ -165,16 +177,23 @@ def main() -> None:
                                f"{peft_tps:.0f}" if peft_tps else "-", f"{tps / peft_tps:.1f}x" if peft_tps else "-",
                                f"{tps / base:.2f}x", f"{100 * share:.2f}%",
                                f"{1000 * share * steps[key]:.3f}"), widths))
-    print(f"\nprefill step, {prefill_seqs} prompts of {prefill_len} tokens (median of rounds):")
-    base_prefill = steps[f"prefill {first} base"]
-    for name, value in steps.items():
-        if name.startswith("prefill"):
-            print(f"  {name[8:]}: {1000 * value:.2f} ms ({value / base_prefill:.2f}x base)")
+    print("\nprefill step, prompts x tokens (median of rounds):")
+    for seqs, length in prefills:
+        base_prefill = steps[f"prefill {seqs}x{length} {first} base"]
+        for name, value in steps.items():
+            if name.startswith(f"prefill {seqs}x{length} "):
+                print(f"  {name[8:]}: {1000 * value:.2f} ms ({value / base_prefill:.2f}x base)")
     for config, engine in engines.items():
         if engine._graphs is not None:
             print(f"{config}: graphs captured {engine._graphs.num_graphs}, replays {engine._graphs.replays}")
     if args.profile_init:
         profile_host(engines[first], max_batch, names)
+    if args.trace is not None:
+        from benchmarks.cuda_profile import trace_engine
+
+        for config, engine in engines.items():
+            if config[1]:
+                trace_engine(engine, f"{config[0]}", args.trace_batches, names, prefills, args.trace)
 
 
 def prefill_step_time(engine: Engine, seqs: int, adapters: list[str | None], prompt_len: int) -> float:

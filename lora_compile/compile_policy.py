@@ -90,12 +90,14 @@ repeated_region = (torch.compiler.nested_compile_region(reuse_hash_fn=_layer_var
 def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
     """Compile the model's layer stack (model.layer_stack) as one frame: saved in and loaded from `cache_dir` (what
     configure returned) with its traced frame when `precompiled` (precompile.PrecompiledStack), else traced by
-    torch.compile at every start."""
+    torch.compile at every start. Before torch 2.12, each decoder layer is a compiled frame of its own instead
+    (compile_each_layer)."""
     from .model import layer_stack
-    if precompiled and not REUSE_HASH:
-        log.info("torch %s: the layer stack is traced at every start (saved stacks need torch >= 2.12)",
-                 torch.__version__)
-        precompiled = False
+    if not REUSE_HASH:
+        log.info("torch %s: each decoder layer is compiled as a frame of its own (the one-frame stack and saved "
+                 "stacks need torch >= 2.12)", torch.__version__)
+        compile_each_layer(model)
+        return
     if precompiled:
         model._run_layers = precompile.PrecompiledStack(model, layer_stack, mark_dynamic,
                                                         precompile.stacks_directory(cache_dir))
@@ -107,6 +109,23 @@ def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
             return compiled(model, h, *fb.flat())
 
         model._run_layers = traced
+
+
+def compile_each_layer(model) -> None:
+    """The layer stack as a Python loop over one compiled decoder layer (model.layer_by_layer), for torch < 2.12.
+
+    There, a nested compile region that writes its inputs (each layer's KV pools) is functionalised: the region
+    wrote a new copy of both whole pools and the stack copied them back, every layer of every step (on an H200,
+    2.0 of a 4.1 ms bf16 decode step at batch 8, 1B model: docs/benchmarks.md). A top-level compiled frame writes
+    its inputs in place. The frame is traced once per variant (its guards read a layer's shapes, not which layer
+    it is); a CUDA graph replays the loop's kernels without the Python, and prefill pays one guard check a layer."""
+    from .model import decoder_layer, layer_by_layer
+    compiled = torch.compile(decoder_layer, fullgraph=True)
+
+    def run(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return layer_by_layer(model, compiled, h, fb, mark_dynamic)
+
+    model._run_layers = run
 
 
 def unaliased(batch: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
@@ -128,6 +147,8 @@ def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
 # The kernels that run as GEMMs over the slots: they read B block-diagonal (LoRALinear.block_diagonal_b) and what
 # LoRABatch.derive computes on the device each step.
 GEMM_KERNELS = ("grouped", "masked")
+# The kernels that read what LoRABatch.derive computes on the device each step.
+DERIVED_KERNELS = (*GEMM_KERNELS, "triton")
 # The grouped kernel's tensor-core path (CUTLASS, sm90+) needs 16-byte-aligned rows: ranks in multiples of 8 bf16.
 GROUPED_RANK_MULTIPLE = 8
 
@@ -143,6 +164,10 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
     of 8; asked for on the CPU it also runs eagerly in any dtype (how the tests check it against peft)."""
     if requested in ("indexed", "masked"):  # plain reductions or GEMMs: any device and dtype
         return requested
+    if requested == "triton":
+        if device.type != "cuda":
+            raise ValueError("lora_kernel 'triton' runs on CUDA only (its kernels are Triton's GPU code)")
+        return "triton"
     if requested == "grouped":
         if max_rank % GROUPED_RANK_MULTIPLE or (compiled and dtype != torch.bfloat16):
             raise ValueError(f"lora_kernel 'grouped' needs max_lora_rank in multiples of {GROUPED_RANK_MULTIPLE} "
@@ -174,6 +199,21 @@ def decode_attention_per_block(device: torch.device) -> bool:
     on the CPU (a block's V stays in L1 while every vector lane passes over it: a batch-32 step at 400-token
     contexts 0.85-0.93x the time, docs/benchmarks.md); one sum over all keys on CUDA, the form measured there."""
     return device.type == "cpu"
+
+
+def attention_backend(requested: str, device: torch.device, softcap: float | None) -> str:
+    """How attention reads the paged KV cache (EngineConfig.attention_backend), decided here and only here.
+
+    "auto": "sdpa" on CUDA (torch's fused attention kernels over K/V gathered per sequence: the generated
+    reductions read the keys at a fraction of the bandwidth there, docs/benchmarks.md), "inductor" on the CPU
+    (the block-by-block reductions measured fastest there: decode_attention_per_block). Soft-capped scores
+    (Gemma 2) have no SDPA form: "inductor" always."""
+    if requested == "sdpa" and softcap is not None:
+        raise ValueError("attention_backend 'sdpa' cannot soft-cap attention scores (this model's "
+                         "attn_logit_softcapping): use 'inductor'")
+    if requested != "auto":
+        return requested
+    return "sdpa" if device.type == "cuda" and softcap is None else "inductor"
 
 
 def steady_state(enabled: bool):

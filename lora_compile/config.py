@@ -24,8 +24,10 @@ KV_GROWTH_MODES: tuple[str, ...] = get_args(KVGrowth)
 # float32's bytes per token (twice the tokens in one budget), attention still computed in the model's dtype.
 KVCacheDType = Literal["auto", "bfloat16"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)
-LoRAKernel = Literal["auto", "indexed", "grouped", "masked"]
+LoRAKernel = Literal["auto", "indexed", "grouped", "masked", "triton"]
 LORA_KERNELS: tuple[str, ...] = get_args(LoRAKernel)
+AttentionBackend = Literal["auto", "inductor", "sdpa"]
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -287,8 +289,14 @@ class EngineConfig:
     # How a step computes its adapters' LoRA deltas (compile_policy.lora_kernel decides "auto"): "indexed", each
     # token reads its own slot's A and B inside one fused reduction (the CPU's form); "grouped", tokens sorted by
     # slot and grouped GEMMs over the slots' segments (CUDA bf16); "masked", two plain GEMMs over every slot with
-    # each token's own slot kept. The last two read each adapter's weights once, on tensor cores.
+    # each token's own slot kept; "triton" (CUDA), Punica's segmented shrink and expand as Triton kernels over the
+    # tokens sorted by slot, the expand adding into the base output. The last three read each adapter's weights
+    # once, on tensor cores.
     lora_kernel: LoRAKernel = "auto"
+    # How attention reads the paged KV cache (compile_policy.attention_backend decides "auto"): "inductor", the
+    # reductions Inductor generates over the block table (the CPU's); "sdpa", K and V gathered per sequence, then
+    # torch's fused scaled_dot_product_attention kernels (CUDA's).
+    attention_backend: AttentionBackend = "auto"
     # Host cache of adapters' weights, LRU; None: 1/8 of the memory available when the engine starts.
     max_cpu_lora_bytes: int | None = None
     # Served on demand: a request's adapter that is not registered is read from <dir>/<name>/ (also adapter roots).
@@ -357,6 +365,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                             f"{self.attention_backend!r}")
         if self.lora_kernel not in LORA_KERNELS:
             raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {self.lora_kernel!r}")
         if self.kv_growth not in KV_GROWTH_MODES:

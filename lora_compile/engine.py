@@ -81,8 +81,10 @@ class Engine:
         self.inductor_cache_dir = compile_policy.configure(config.inductor_cache_dir) if config.compile else None
         self.lora_kernel = compile_policy.lora_kernel(config.lora_kernel, self.device, self.dtype, config.max_lora_rank,
                                                       config.compile)
+        self.attention_backend = compile_policy.attention_backend(config.attention_backend, self.device,
+                                                                  mc.attn_logit_softcapping)
         self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
-                              self.lora_kernel)
+                              self.lora_kernel, self.attention_backend)
         with source.open_checkpoint() as ckpt:
             self.model.load_weights(ckpt)
         if config.prepack_weights and packed_gemm.available(self.device, self.dtype):

@@ -10,6 +10,7 @@ from . import compile_policy, packed_gemm
 from .checkpoint import SafetensorsCheckpoint
 from .config import ModelConfig
 from .forward_batch import PLACEHOLDER_KEYS, AttentionMetadata, ForwardBatch
+from .attention_sdpa import sdpa_decode, sdpa_prefill
 from .layers import LoRALinear, RMSNorm, apply_rotary
 from .model_families import LORA_TARGETS, UNFUSED  # noqa: F401 (LORA_TARGETS: re-exported)
 from .packed_gemm import linear
@@ -42,7 +43,8 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
     sizes = tuple(shapes[m][1] for m in modules)
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
                       block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS,
-                      b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes))
+                      b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes),
+                      triton=lora_kernel == "triton")
 
 
 def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -156,7 +158,7 @@ def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                    scale: float, sliding_window: int | torch.Tensor | None, compiled: bool,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, sdpa: bool = False) -> torch.Tensor:
     """attend() over the step's prefill group. Compiled on CPU, a decode-only step skips it: its group is a padded
     placeholder (PLACEHOLDER_KEYS keys, where a real group reads more), and torch.cond on that size decides at run
     time, in the one graph. The placeholder's two bmm calls (each ~20 us of library set-up for 4608 multiply-adds)
@@ -172,6 +174,10 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         # Compiled on CPU, float32 products: in bf16 oneDNN takes every bmm above 4096 multiply-adds at ~25 us a
         # call, which a mixed step's small chunks pay; 32 16-token prompts prefill within noise either way.
         tensors, w = (tensors[:-1], tensors[-1]) if window else (tensors, sliding_window)
+        if sdpa:
+            q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos = tensors
+            rows = kv_rows(block_table, key_pos, k_cache.shape[1])
+            return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w)
         return attend(*tensors, scale, w, float32=cpu, softcap=softcap)
 
     if not cpu:
@@ -185,8 +191,9 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
-                 index: int = 0):
+                 index: int = 0, attention_backend: str = "inductor"):
         super().__init__()
+        self.sdpa = attention_backend == "sdpa"  # compile_policy.attention_backend: torch's fused kernels
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.scale = cfg.attention_scale
@@ -237,9 +244,18 @@ class Attention(nn.Module):
         md: AttentionMetadata = fb.attn
         window = self.sliding_window if self.window is None else self.window
         # Write this step's keys/values first, so each query block reads its own chunk from the cache too.
-        self.k_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = k.to(self.k_cache.dtype)
-        self.v_cache.view(-1, self.n_kv, self.head_dim)[md.slot_mapping] = v.to(self.v_cache.dtype)
-        if fb.compiled:
+        # Indexed by (block, offset) on the pools themselves, not through a flat view: Inductor writes a graph
+        # input in place only where the write's target is that input; through a view, torch 2.11 kept the write
+        # functional and copied each whole pool back, twice a layer (docs/benchmarks.md, the H200 run).
+        bs = self.k_cache.shape[1]
+        block, offset = md.slot_mapping // bs, md.slot_mapping % bs
+        self.k_cache[block, offset] = k.to(self.k_cache.dtype)
+        self.v_cache[block, offset] = v.to(self.v_cache.dtype)
+        if self.sdpa:
+            rows = kv_rows(md.decode_block_table, md.decode_key_pos, self.k_cache.shape[1])
+            decode = sdpa_decode(q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos, rows,
+                                 self.scale, window)
+        elif fb.compiled:
             decode = attend_decode(q, self.k_cache, self.v_cache, md.decode_token_idx, md.decode_q_pos,
                                    md.decode_block_table, md.decode_key_pos, self.scale, window,
                                    self.softcap)
@@ -248,7 +264,7 @@ class Attention(nn.Module):
                             md.decode_block_table, md.decode_key_pos, self.scale, window,
                             softcap=self.softcap)
         prefill = attend_prefill(q, self.k_cache, self.v_cache, md, self.scale, window, fb.compiled,
-                                 self.softcap)
+                                 self.softcap, self.sdpa)
         out = torch.cat([decode, prefill], dim=0)[md.out_idx]
         return self.o_proj(out, fb.lora, fb.compiled)
 
@@ -270,12 +286,12 @@ class DecoderLayer(nn.Module):
     """The unit of compilation: one compiled region serves every layer (compile_policy)."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
-                 index: int = 0):
+                 index: int = 0, attention_backend: str = "inductor"):
         super().__init__()
         self.table = cfg.family.projections
         norm = (cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
         self.input_layernorm = RMSNorm(*norm)
-        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel, index)
+        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel, index, attention_backend)
         self.post_attention_layernorm = RMSNorm(*norm)
         self.mlp = MLP(cfg, max_loras, max_rank, dtype, device, lora_kernel)
         # Gemma's: post_attention_layernorm normalises the attention's output, these the MLP's input and output.
@@ -295,11 +311,14 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), fb))
 
 
-# The compiled region: plain arguments (tensors, None), which the compiler matches quickly between calls; forward
-# directly, not layer(x, fb), so that no module-call machinery is traced per layer.
-@compile_policy.repeated_region
-def _decoder_layer(layer: DecoderLayer, x: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
+def decoder_layer(layer: DecoderLayer, x: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
+    """One layer over plain arguments (tensors, None), which the compiler matches quickly between calls; forward
+    directly, not layer(x, fb), so that no module-call machinery is traced per layer."""
     return layer.forward(x, ForwardBatch.from_flat(batch, compiled=True))
+
+
+# The compiled region of the one-frame stack (compile_policy).
+_decoder_layer = compile_policy.repeated_region(decoder_layer)
 
 
 def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -> torch.Tensor:
@@ -308,10 +327,7 @@ def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -
     compiling = torch.compiler.is_compiling()  # the model's one question; the answer travels in ForwardBatch.compiled
     if compiling:
         batch = compile_policy.unaliased(batch)
-    fb = ForwardBatch.from_flat(batch)
-    if model.lora_kernel in compile_policy.GEMM_KERNELS and fb.lora.weight_indices is not None:
-        # once per step, not per layer: every layer's LoRA GEMMs read the same segments or mask
-        fb.lora = fb.lora.derive(model.lora_kernel, model.layers[0].mlp.down_proj.max_loras + 1)
+    fb = _with_derived_lora(model, ForwardBatch.from_flat(batch))
     if not compiling:
         for layer in model.layers:
             h = layer.forward(h, fb)
@@ -322,18 +338,41 @@ def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -
     return h
 
 
+def layer_by_layer(model: CausalLM, compiled_layer, h: torch.Tensor, fb: ForwardBatch, mark_dynamic) -> torch.Tensor:
+    """Every decoder layer over h, each a call of `compiled_layer` (decoder_layer compiled as a frame of its own:
+    compile_policy.compile_each_layer); `mark_dynamic(h, fb)` marks the frame's step-varying dims, the derived
+    LoRA fields' too."""
+    fb = _with_derived_lora(model, fb)
+    mark_dynamic(h, fb)
+    batch = fb.flat()
+    for layer in model.layers:
+        h = compiled_layer(layer, h, *batch)
+    return h
+
+
+def _with_derived_lora(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
+    """fb with what the model's LoRA kernel reads derived on the device (LoRABatch.derive): once per step, not per
+    layer, since every layer's kernels read the same segments or mask."""
+    if model.lora_kernel in compile_policy.DERIVED_KERNELS and fb.lora.weight_indices is not None:
+        fb.lora = fb.lora.derive(model.lora_kernel, model.layers[0].mlp.down_proj.max_loras + 1)
+    return fb
+
+
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
+                 attention_backend: str = "inductor"):
         super().__init__()
         self.config = cfg
-        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped" or "masked"
+        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped", "masked" or "triton"
+        self.attention_backend = attention_backend  # compile_policy.attention_backend: "inductor" or "sdpa"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         # Gemma: sqrt(hidden_size) rounded to the embeddings' dtype first, as transformers multiplies them.
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).item() if cfg.family.embed_scale
                             else None)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, max_loras, max_rank, dtype, device, lora_kernel, i) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, max_loras, max_rank, dtype, device, lora_kernel, i, attention_backend)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
         self.lm_head = (

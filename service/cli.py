@@ -52,7 +52,7 @@ def _fraction(value: str) -> float:
 
 def serve_parser() -> argparse.ArgumentParser:
     from lora_compile import EngineConfig
-    from lora_compile.config import LORA_KERNELS, MERGE_MODES
+    from lora_compile.config import ATTENTION_BACKENDS, LORA_KERNELS, MERGE_MODES
     from service.cli_vllm import add_log_flags, lora_module, token_count
     from service.limits import RequestLimits
     from service.http_api.tool_calls import TOOL_CALL_PARSERS
@@ -137,8 +137,13 @@ def serve_parser() -> argparse.ArgumentParser:
                         "batch and context-length bucket on first use)")
     p.add_argument("--lora-kernel", default=engine_defaults["lora_kernel"], choices=LORA_KERNELS,
                    help="how a step computes LoRA deltas: grouped GEMMs over per-adapter segments (CUDA bf16), GEMMs "
-                        "over every adapter slot with each token's own kept (masked), or per-token indexed reductions "
-                        "(the CPU's); auto picks by device and dtype (default: %(default)s)")
+                        "over every adapter slot with each token's own kept (masked), Punica's segmented Triton "
+                        "kernels (triton, CUDA), or per-token indexed reductions (the CPU's); auto picks by device and "
+                        "dtype (default: %(default)s)")
+    p.add_argument("--attention-backend", default=engine_defaults["attention_backend"], choices=ATTENTION_BACKENDS,
+                   help="how attention reads the paged KV cache: torch's fused scaled_dot_product_attention over K/V "
+                        "gathered per sequence (sdpa, CUDA's) or Inductor's generated reductions (inductor, the "
+                        "CPU's); auto picks by device (default: %(default)s)")
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
                         "memory; slower decode)")
@@ -330,6 +335,7 @@ def _engine_config(args: argparse.Namespace, model: str):
         max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
         max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
         precompile=not args.no_precompile, cuda_graphs=not args.no_cuda_graphs, lora_kernel=args.lora_kernel,
+        attention_backend=args.attention_backend,
         prepack_weights=not args.no_prepack_weights, adapter_roots=tuple(args.adapter_root),
         max_cpu_lora_bytes=args.max_cpu_lora_bytes, adapter_dirs=tuple(args.adapter_dir),
         adapter_loader_threads=args.adapter_loader_threads,

@@ -1,5 +1,6 @@
-"""Attention through block tables: the compiled decode form (reductions over the paged cache) and the bmm form
-that eager and prefill use, against dense attention over each sequence's own keys."""
+"""Attention through block tables: the compiled decode form (reductions over the paged cache), the bmm form that
+eager and prefill use, and torch's scaled_dot_product_attention over gathered K/V (attention_sdpa, CUDA's), against
+dense attention over each sequence's own keys."""
 from __future__ import annotations
 
 import random
@@ -7,7 +8,8 @@ import random
 import pytest
 import torch
 
-from lora_compile.model import attend, attend_decode
+from lora_compile.attention_sdpa import sdpa_decode, sdpa_prefill
+from lora_compile.model import attend, attend_decode, kv_rows
 
 
 def _per_block(*args):
@@ -23,6 +25,7 @@ def _one_sum(*args):
 # recompile limit).
 _COMPILED = {per_block: torch.compile(fn, fullgraph=True, dynamic=True)
              for per_block, fn in ((True, _per_block), (False, _one_sum))}
+_SDPA_DECODE = torch.compile(sdpa_decode, fullgraph=True, dynamic=True)
 
 
 def _paged(seq_keys: list[torch.Tensor], block_size: int, num_blocks: int, rng: random.Random):
@@ -90,6 +93,11 @@ def test_decode_attention_reads_through_block_tables(window, block_size, kv_dtyp
     compiled = _COMPILED[per_block](*args)
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
     assert bmm.dtype == compiled.dtype == torch.float32
+    # The SDPA form reads every key of the table's blocks (the decode group's key_pos), stale rows masked.
+    rows = kv_rows(table, torch.arange(table.shape[1] * block_size), block_size)
+    sdpa_args = (q, k_cache, v_cache, token_idx, q_pos, rows, head_dim ** -0.5, window)
+    torch.testing.assert_close(sdpa_decode(*sdpa_args), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_SDPA_DECODE(*sdpa_args), expected, atol=1e-5, rtol=1e-5)
 
 
 def _remap(table_from: torch.Tensor, table_to: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
@@ -119,3 +127,7 @@ def test_prefill_attention_reads_its_own_chunk_and_cached_prefix():
                  None)
     expected = torch.stack([_dense(q[i], k, v, int(pos[i]), None) for i in range(5)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    key_pos = torch.arange(12)
+    sdpa = sdpa_prefill(q, k_cache, v_cache, torch.arange(5)[None], pos[None], kv_rows(table, key_pos, bs), key_pos,
+                        head_dim ** -0.5, None)
+    torch.testing.assert_close(sdpa, expected, atol=1e-5, rtol=1e-5)

@@ -77,6 +77,8 @@ def test_kernel_policy():
     with pytest.raises(ValueError, match="multiples of 8"):
         compile_policy.lora_kernel("grouped", cpu, bf16, 12, compiled=False)
     assert compile_policy.lora_kernel("masked", cpu, f32, 12, compiled=True) == "masked"  # plain GEMMs: anywhere
+    with pytest.raises(ValueError, match="CUDA only"):  # Triton's kernels are GPU code
+        compile_policy.lora_kernel("triton", cpu, bf16, 16, compiled=True)
     # B chunk-major for the CPU's indexed kernel in bfloat16 only, where every slice divides into chunks.
     sizes, chunk = (576, 192, 192), compile_policy.LORA_B_CHUNK
     assert compile_policy.lora_b_chunk("indexed", cpu, bf16, sizes) == chunk
@@ -84,6 +86,16 @@ def test_kernel_policy():
     assert compile_policy.lora_b_chunk("indexed", cpu, bf16, (576, 200, 200)) == 0
     assert compile_policy.lora_b_chunk("indexed", torch.device("cuda"), bf16, sizes) == 0
     assert compile_policy.lora_b_chunk("masked", cpu, bf16, sizes) == 0
+
+
+def test_attention_backend_policy():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_policy.attention_backend("auto", cpu, None) == "inductor"  # the CPU's measured reductions
+    assert compile_policy.attention_backend("auto", cuda, None) == "sdpa"
+    assert compile_policy.attention_backend("auto", cuda, 50.0) == "inductor"  # soft-capped scores: no SDPA form
+    assert compile_policy.attention_backend("sdpa", cpu, None) == "sdpa"  # asked for: any device
+    with pytest.raises(ValueError, match="soft-cap"):
+        compile_policy.attention_backend("sdpa", cuda, 50.0)
 
 
 @pytest.mark.parametrize("kernel", ["grouped", "masked"])
