@@ -6,7 +6,7 @@ A Llama-3.2-1B-like random model (benchmarks.common.LLAMA_1B) in bfloat16, rank-
 projections. Every configuration is measured in turn, round after round (benchmarks.common.interleaved), and the
 ratios come from one run.
 
-    python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64] [--kernels triton masked grouped indexed]
+    python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64] [--kernels masked grouped indexed]
         [--no-graphs] [--peft-batches 8 32] [--prefill 8 64 --prefill 8 256] [--trace DIR]
 
 --trace DIR: then the GPU's kernel records of decode steps (batches --trace-batches) and of each prefill, per kernel
@@ -89,8 +89,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--kernels", nargs="+", default=["triton", "masked", "grouped", "indexed"],
-                   choices=["triton", "grouped", "masked", "indexed"])
+    p.add_argument("--kernels", nargs="+", default=["masked", "grouped", "indexed"],
+                   choices=["grouped", "masked", "indexed"])
     p.add_argument("--prefill", type=int, nargs=2, action="append", metavar=("SEQS", "TOKENS"),
                    help="also one prefill step of SEQS prompts of TOKENS tokens, base and 8 adapters; repeatable "
                         "(default 8 256)")

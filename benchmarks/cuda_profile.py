@@ -28,10 +28,10 @@ from benchmarks.common import LLAMA_1B, decode_step_time, random_checkpoint, reg
 from benchmarks.cuda import KINDS, PROMPT_LEN, prefill_step_time
 from lora_compile import Engine, EngineConfig
 
-# Kernel families by name: cuBLAS / CUTLASS GEMMs, Inductor's generated Triton kernels, our own Triton kernels.
-FAMILIES = (("gemm", re.compile(r"gemm|cutlass|nvjet|sm90_|sm80_|cublas|splitK", re.I)),
+# Kernel families by name: cuBLAS / CUTLASS GEMMs, Inductor's generated Triton kernels, torch's attention kernels.
+FAMILIES = (("gemm", re.compile(r"gemm|cutlass_80|nvjet|cublas|splitK", re.I)),
             ("inductor", re.compile(r"^triton_(poi|red|per|tem)_")),
-            ("lora triton", re.compile(r"^_lora_")))
+            ("attention", re.compile(r"sdpa|flash|fmha|attention", re.I)))
 
 
 # CPU too: the kernels' records are the same, and the CPU-only build (the smoke test of this module) has no other.

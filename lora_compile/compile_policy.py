@@ -147,8 +147,6 @@ def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
 # The kernels that run as GEMMs over the slots: they read B block-diagonal (LoRALinear.block_diagonal_b) and what
 # LoRABatch.derive computes on the device each step.
 GEMM_KERNELS = ("grouped", "masked")
-# The kernels that read what LoRABatch.derive computes on the device each step.
-DERIVED_KERNELS = (*GEMM_KERNELS, "triton")
 # The grouped kernel's tensor-core path (CUTLASS, sm90+) needs 16-byte-aligned rows: ranks in multiples of 8 bf16.
 GROUPED_RANK_MULTIPLE = 8
 
@@ -164,10 +162,6 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
     of 8; asked for on the CPU it also runs eagerly in any dtype (how the tests check it against peft)."""
     if requested in ("indexed", "masked"):  # plain reductions or GEMMs: any device and dtype
         return requested
-    if requested == "triton":
-        if device.type != "cuda":
-            raise ValueError("lora_kernel 'triton' runs on CUDA only (its kernels are Triton's GPU code)")
-        return "triton"
     if requested == "grouped":
         if max_rank % GROUPED_RANK_MULTIPLE or (compiled and dtype != torch.bfloat16):
             raise ValueError(f"lora_kernel 'grouped' needs max_lora_rank in multiples of {GROUPED_RANK_MULTIPLE} "

@@ -24,7 +24,7 @@ KV_GROWTH_MODES: tuple[str, ...] = get_args(KVGrowth)
 # float32's bytes per token (twice the tokens in one budget), attention still computed in the model's dtype.
 KVCacheDType = Literal["auto", "bfloat16"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)
-LoRAKernel = Literal["auto", "indexed", "grouped", "masked", "triton"]
+LoRAKernel = Literal["auto", "indexed", "grouped", "masked"]
 LORA_KERNELS: tuple[str, ...] = get_args(LoRAKernel)
 AttentionBackend = Literal["auto", "inductor", "sdpa"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
@@ -289,9 +289,7 @@ class EngineConfig:
     # How a step computes its adapters' LoRA deltas (compile_policy.lora_kernel decides "auto"): "indexed", each
     # token reads its own slot's A and B inside one fused reduction (the CPU's form); "grouped", tokens sorted by
     # slot and grouped GEMMs over the slots' segments (CUDA bf16); "masked", two plain GEMMs over every slot with
-    # each token's own slot kept; "triton" (CUDA), Punica's segmented shrink and expand as Triton kernels over the
-    # tokens sorted by slot, the expand adding into the base output. The last three read each adapter's weights
-    # once, on tensor cores.
+    # each token's own slot kept. The last two read each adapter's weights once, on tensor cores.
     lora_kernel: LoRAKernel = "auto"
     # How attention reads the paged KV cache (compile_policy.attention_backend decides "auto"): "inductor", the
     # reductions Inductor generates over the block table (the CPU's); "sdpa", K and V gathered per sequence, then

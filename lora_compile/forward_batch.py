@@ -54,17 +54,15 @@ class LoRABatch:
 
     def derive(self, kernel: str, num_slots: int) -> LoRABatch:
         """This batch with what LoRA kernel `kernel` reads: device ops only (no host sync, nothing a CUDA graph
-        could not replay). "grouped" and "triton": a stable sort by slot and each slot's segment end (cumulative,
-        as torch's grouped_mm takes offsets), and for "grouped" each token's row in that order; "masked": each
-        token's slot as a mask over all slots."""
+        could not replay). "grouped": a stable sort by slot, each token's row in that order and each slot's segment
+        end (cumulative, as torch's grouped_mm takes offsets); "masked": each token's slot as a mask over all
+        slots."""
         idx = self.weight_indices
         slots = torch.arange(num_slots, device=idx.device)
         if kernel == "masked":
             return LoRABatch(idx, slot_mask=idx[:, None] == slots[None, :])
         order = torch.argsort(idx, stable=True)
         offsets = (idx[None, :] == slots[:, None]).sum(1).cumsum(0).to(torch.int32)
-        if kernel == "triton":  # the kernels gather by token_order themselves: no inverse
-            return LoRABatch(idx, order, segment_offsets=offsets)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(idx.shape[0], device=idx.device)
         return LoRABatch(idx, order, inverse, offsets)

@@ -115,7 +115,6 @@ class LoRALinear(nn.Module):
         device: torch.device,
         block_diagonal_b: bool = False,
         b_chunk: int = 0,
-        triton: bool = False,
     ):
         super().__init__()
         self.output_sizes = tuple(output_sizes)  # the one table every slice of this layer derives from
@@ -137,7 +136,7 @@ class LoRALinear(nn.Module):
             persistent=False,
         )
         self.register_buffer("output_offset", offsets.to(device), persistent=False)
-        # Read here (the slices below) and, as a tensor, by the Triton expand (which slice a run of columns is in).
+        # output_offset's only reader, at construction: no step needs offsets as a tensor (docs/architecture.md).
         bounds = offsets.tolist()
         self._slices = tuple(zip(bounds[:-1], bounds[1:]))  # what the slot loaders and LoRA paths slice by
         # B transposed, output dim innermost: the expand then vectorises over outputs and sums over the rank
@@ -147,15 +146,6 @@ class LoRALinear(nn.Module):
         if b_chunk and (block_diagonal_b or any(size % b_chunk for size in self.output_sizes)):
             raise ValueError(f"b_chunk {b_chunk} needs the compact B and slices in multiples of it: {output_sizes}")
         self.b_chunk = b_chunk
-        # The Triton kernels' (lora_triton, CUDA): output columns an expand program takes, 0 where another form runs.
-        self.expand_block_n = 0
-        if triton:
-            from . import lora_triton  # registers torch.ops.lora_serve (a CUDA engine's; Triton is GPU code)
-
-            self.expand_block_n = lora_triton.expand_block_n(self.output_sizes)
-            if block_diagonal_b or b_chunk or not self.expand_block_n:
-                raise ValueError(f"lora_kernel 'triton' needs the compact B and every output slice in multiples of "
-                                 f"16 (got {output_sizes}): use --lora-kernel masked for this model")
         b_shape = (out_features // b_chunk, b_rows, b_chunk) if b_chunk else (b_rows, out_features)
         self.register_buffer("lora_b", torch.zeros(n_stored, *b_shape, dtype=dtype, device=device), persistent=False)
         self.max_loras = max_loras
@@ -211,8 +201,6 @@ class LoRALinear(nn.Module):
         base = self._base(x)
         if lora.weight_indices is None:  # base-model-only step: its own graph, with no LoRA work at all
             return base
-        if self.expand_block_n:
-            return _lora_triton(self, x, base, lora)
         if lora.segment_offsets is not None:
             return base + _lora_delta_grouped(self, x, lora)
         if lora.slot_mask is not None:
@@ -286,17 +274,6 @@ def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch) -> 
     shrink = torch._grouped_mm(xs, layer.lora_a_stack.transpose(1, 2), offs=lora.segment_offsets)  # (T, c*r)
     delta = torch._grouped_mm(shrink, layer.lora_b, offs=lora.segment_offsets)  # (T, out)
     return delta[lora.token_inverse]  # back to the step's token order (a gather Inductor fuses into the add)
-
-
-def _lora_triton(layer: LoRALinear, x: torch.Tensor, base: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-    """CUDA: base + LoRA through Punica's segmented kernels (lora_triton): the tokens sorted by slot
-    (lora.token_order, lora.segment_offsets, derived on the device), each adapter's A and compact B read once per
-    run of its tokens, base-model tokens skipped, the expand adding into the base output in the same kernel: two
-    kernels a projection beside the base GEMM, whatever the mix."""
-    ops = torch.ops.lora_serve
-    h = ops.lora_shrink(x, layer.lora_a_stack, lora.token_order, lora.segment_offsets)
-    return ops.lora_expand(h, layer.lora_b, base, lora.token_order, lora.weight_indices, layer.output_offset,
-                           layer.expand_block_n)
 
 
 def _lora_delta_masked(layer: LoRALinear, x: torch.Tensor, slot_mask: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,7 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
     sizes = tuple(shapes[m][1] for m in modules)
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
                       block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS,
-                      b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes),
-                      triton=lora_kernel == "triton")
+                      b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes))
 
 
 def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -353,7 +352,7 @@ def layer_by_layer(model: CausalLM, compiled_layer, h: torch.Tensor, fb: Forward
 def _with_derived_lora(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
     """fb with what the model's LoRA kernel reads derived on the device (LoRABatch.derive): once per step, not per
     layer, since every layer's kernels read the same segments or mask."""
-    if model.lora_kernel in compile_policy.DERIVED_KERNELS and fb.lora.weight_indices is not None:
+    if model.lora_kernel in compile_policy.GEMM_KERNELS and fb.lora.weight_indices is not None:
         fb.lora = fb.lora.derive(model.lora_kernel, model.layers[0].mlp.down_proj.max_loras + 1)
     return fb
 
@@ -363,7 +362,7 @@ class CausalLM(nn.Module):
                  attention_backend: str = "inductor"):
         super().__init__()
         self.config = cfg
-        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped", "masked" or "triton"
+        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped" or "masked"
         self.attention_backend = attention_backend  # compile_policy.attention_backend: "inductor" or "sdpa"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)

@@ -137,9 +137,8 @@ def serve_parser() -> argparse.ArgumentParser:
                         "batch and context-length bucket on first use)")
     p.add_argument("--lora-kernel", default=engine_defaults["lora_kernel"], choices=LORA_KERNELS,
                    help="how a step computes LoRA deltas: grouped GEMMs over per-adapter segments (CUDA bf16), GEMMs "
-                        "over every adapter slot with each token's own kept (masked), Punica's segmented Triton "
-                        "kernels (triton, CUDA), or per-token indexed reductions (the CPU's); auto picks by device and "
-                        "dtype (default: %(default)s)")
+                        "over every adapter slot with each token's own kept (masked), or per-token indexed reductions "
+                        "(the CPU's); auto picks by device and dtype (default: %(default)s)")
     p.add_argument("--attention-backend", default=engine_defaults["attention_backend"], choices=ATTENTION_BACKENDS,
                    help="how attention reads the paged KV cache: torch's fused scaled_dot_product_attention over K/V "
                         "gathered per sequence (sdpa, CUDA's) or Inductor's generated reductions (inductor, the "

@@ -72,9 +72,8 @@ def test_padded_decode_steps_give_the_same_tokens(compiled_engines):
 
 @needs_cuda
 @pytest.mark.parametrize("cuda_graphs,lora_kernel,attention", [
-    (True, "auto", "auto"), (False, "auto", "auto"), (True, "indexed", "auto"), (True, "triton", "auto"),
-    (False, "triton", "auto"), (True, "auto", "inductor")],
-    ids=["graphs", "no-graphs", "indexed-graphs", "triton-graphs", "triton-no-graphs", "inductor-attention-graphs"])
+    (True, "auto", "auto"), (False, "auto", "auto"), (True, "indexed", "auto"), (True, "auto", "inductor")],
+    ids=["graphs", "no-graphs", "indexed-graphs", "inductor-attention-graphs"])
 def test_cuda_float32_mixed_batch_matches_peft(cuda_engines, models, adapters, cuda_graphs, lora_kernel, attention):
     """Compiled, float32, a batch mixing the base model and three adapters, sequences joining at different steps:
     exactly transformers + peft's greedy tokens on the GPU, close logits."""
@@ -122,11 +121,10 @@ def test_cuda_kernel_policy(cuda_engines):
     assert cuda_engines("bfloat16").attention_backend == "sdpa"  # compile_policy.attention_backend
     assert cuda_engines("float32").lora_kernel == "masked"
     assert cuda_engines("bfloat16", lora_kernel="grouped").lora_kernel == "grouped"
-    assert cuda_engines("bfloat16", lora_kernel="triton").lora_kernel == "triton"
 
 
 @needs_cuda
-@pytest.mark.parametrize("lora_kernel", ["auto", "grouped", "triton"])
+@pytest.mark.parametrize("lora_kernel", ["auto", "grouped"])
 def test_cuda_bf16_agrees_with_transformers_bf16(cuda_engines, models, adapters, lora_kernel):
     """bfloat16 (weights, LoRA slots, KV cache), a mixed batch, against transformers + peft given the same prefixes:
     each sequence's first AGREE_FIRST tokens agree with the bf16 reference, and so do at least AGREE_SHARE of all
@@ -202,7 +200,7 @@ def _mixed_workload(engine: Engine) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("lora_kernel", ["auto", "grouped", "triton"])
+@pytest.mark.parametrize("lora_kernel", ["auto", "grouped"])
 def test_cuda_no_host_sync_from_batch_init_through_forward(cuda_engines, monkeypatch, lora_kernel):
     """Under torch.cuda.set_sync_debug_mode("error") every synchronising CUDA call raises. Admission (adapter slot
     loads included), batch init (built ahead too) and the forward run in that mode; only sampling's one read of the
