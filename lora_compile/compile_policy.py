@@ -195,6 +195,13 @@ def decode_attention_per_block(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def skip_placeholder_prefill(device: torch.device) -> bool:
+    """Whether a compiled decode-only step skips its placeholder prefill group through torch.cond
+    (model.attend_prefill): on the CPU, inside the one-frame stack. A frame of its own per layer (torch < 2.12)
+    cannot take torch.cond over the KV pools that frame writes (its branches would alias a mutated input)."""
+    return device.type == "cpu" and REUSE_HASH
+
+
 def attention_backend(requested: str, device: torch.device, softcap: float | None) -> str:
     """How attention reads the paged KV cache (EngineConfig.attention_backend), decided here and only here.
 

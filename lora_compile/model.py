@@ -168,6 +168,7 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     window = isinstance(sliding_window, torch.Tensor)
     args += (sliding_window,) if window else ()
     cpu = compiled and q.device.type == "cpu"
+    skip = compiled and compile_policy.skip_placeholder_prefill(q.device)
 
     def real(*tensors: torch.Tensor) -> torch.Tensor:
         # Compiled on CPU, float32 products: in bf16 oneDNN takes every bmm above 4096 multiply-adds at ~25 us a
@@ -179,7 +180,7 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w)
         return attend(*tensors, scale, w, float32=cpu, softcap=softcap)
 
-    if not cpu:
+    if not skip:
         return real(*args)
 
     def placeholder(q: torch.Tensor, _k, _v, token_idx: torch.Tensor, *_) -> torch.Tensor:

@@ -232,3 +232,26 @@ def test_the_saved_stack_key_follows_what_shapes_the_graph(models, monkeypatch):
     assert len({base, *changed}) == len(changed) + 1
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # what Inductor writes its CPU kernels for: scalar code
     assert key() != base
+
+
+@pytest.mark.parametrize("attention", ["inductor", "sdpa"])
+def test_each_layer_compiled_on_its_own_matches_peft_and_never_recompiles(models, adapters, monkeypatch, attention):
+    """What torch < 2.12 runs (compile_policy.compile_each_layer, CUDA's image today), here on the CPU: every decoder
+    layer a call of one compiled frame, with either attention form; transformers + peft's greedy tokens for a mixed
+    batch, and a random workload without a recompile after warm-up (a step that would recompile raises)."""
+    from lora_compile import compile_policy
+    from tests.checkpoints import reference_greedy
+    from tests.test_engine_golden import NEW_TOKENS, PROMPTS, run_joining
+    from tests.test_lora import MIXED
+
+    monkeypatch.setattr(compile_policy, "REUSE_HASH", False)
+    engine = build_engine(models["llama"], adapters["llama"], compile=True, attention_backend=attention)
+    assert not isinstance(engine.model._run_layers, PrecompiledStack)
+    tokens, logits = run_joining(engine, PROMPTS, adapters=MIXED, join_at=[0, 0, 1, 2])
+    for i, (prompt, name) in enumerate(zip(PROMPTS, MIXED)):
+        ref_tokens, ref_logits = reference_greedy(models["llama"], prompt, NEW_TOKENS,
+                                                  adapters["llama"][name] if name else None)
+        assert tokens[i] == ref_tokens, f"sequence {i} (adapter {name}) differs from the reference"
+        torch.testing.assert_close(logits[i], ref_logits, atol=2e-3, rtol=1e-3)
+    random_workload(engine, random.Random(1), 60, [None, *ADAPTER_SPECS])
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
