@@ -13,6 +13,7 @@ import torch
 from .errors import CheckpointError
 from .model_families import FAMILIES, SUPPORTED_ARCHITECTURES, Family  # noqa: F401 (SUPPORTED_ARCHITECTURES: re-exported)
 from .packed_gemm import native_bf16
+from .structured_output import GrammarLimits
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # model.ACTIVATIONS implements them
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
@@ -340,6 +341,18 @@ class EngineConfig:
     # "bfloat16" with a float32 model: keys and values rounded to bfloat16 when written (8 mantissa bits), so
     # greedy output may part from the float32 reference at a near-tie; "auto" keeps the exact reference.
     kv_cache_dtype: KVCacheDType = "auto"
+    # Structured outputs: what one constraint may cost (structured_output.GrammarLimits). Compiling it and its first
+    # mask run off the engine thread within a time and a memory budget, or it is refused; compiled ones are kept up
+    # to a total; a step's grammar work (masks, consuming the sampled tokens) waits at most the step timeout, after
+    # which the sequences not done end with an error and the others go on.
+    structured_output_compile_timeout_s: float = 2.0
+    structured_output_max_memory_mb: int = 64
+    structured_output_cache_mb: int = 256
+    structured_output_step_timeout_ms: float = 100.0
+
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(self.structured_output_compile_timeout_s, self.structured_output_max_memory_mb << 20,
+                             self.structured_output_cache_mb << 20, self.structured_output_step_timeout_ms / 1000)
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None:
@@ -370,5 +383,9 @@ class EngineConfig:
             raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {self.lora_kernel!r}")
         if self.kv_growth not in KV_GROWTH_MODES:
             raise ValueError(f"kv_growth must be one of {', '.join(KV_GROWTH_MODES)}, got {self.kv_growth!r}")
+        for name in ("structured_output_compile_timeout_s", "structured_output_max_memory_mb",
+                     "structured_output_cache_mb", "structured_output_step_timeout_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")

@@ -29,7 +29,8 @@ from .prompt_logprobs import PromptLogprobs
 from .sampling import NON_FINITE, SamplingParams, sample
 from .sequence import Sequence
 from .step_ahead import StepAhead
-from .structured_output import GrammarCompiler, consume, fill_bitmask
+from .grammar_steps import GrammarSteps
+from .structured_output import GrammarCompiler, GrammarError
 from .tokenizer import Tokenizer
 
 
@@ -122,6 +123,7 @@ class Engine:
         self._warmed_up = False
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+        self._grammar_steps = GrammarSteps(config.grammar_limits(), mc.vocab_size, self.device.type == "cuda")
         if self._compiled:
             compile_policy.compile_model(self.model, self.inductor_cache_dir, config.precompile)
         # Decode steps replay CUDA graphs where the step is compiled (eager LoRA reads slots on the host).
@@ -141,10 +143,12 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """Structured outputs' compiler, made on first use (it reads the whole vocabulary once)."""
+        """Structured outputs' compiler, made on first use (it reads the whole vocabulary once, holding the GIL:
+        a server makes it at warm-up)."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 self.config.grammar_limits())
             return self._grammars
 
     def check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -293,7 +297,7 @@ class Engine:
             t_ahead = time.perf_counter()
             self.ahead.prepare(single, merged, self._epoch)
             ahead_s = time.perf_counter() - t_ahead
-        bitmask = fill_bitmask(sampled, self.model_config.vocab_size, self.device.type == "cuda")
+        bitmask, grammar_failed = self._grammar_steps.masks(sampled)
         t2 = time.perf_counter()
         n = len(sampled)  # logits rows: the sampled ones, then those of prompt log-probabilities
         prompt = PromptLogprobs(logits[n:], inputs.prompt_targets, inputs.prompt_rows) if inputs.prompt_rows else None
@@ -308,7 +312,11 @@ class Engine:
                 self.kv_cache.cache_full_blocks(p.seq)
         token_ids = result.token_ids if result else []
         failed: dict[str, AdapterOutputError] = {}
+        constrained: list[tuple[int, Sequence, int]] = []
         for i, (seq, token) in enumerate(zip(sampled, token_ids)):
+            if i in grammar_failed:  # its mask failed or was late: it ends, its token is not used
+                self._end_with(seq, grammar_failed[i])
+                continue
             if token == NON_FINITE:  # this sequence alone ends; the rest of the batch is unaffected
                 seq.finish_reason = "error"
                 if seq.adapter:  # and its adapter is refused from now on
@@ -325,15 +333,20 @@ class Engine:
                 if result.top_logprobs is not None:
                     seq.output_top_logprobs.append(result.top_logprobs[i])
             seq.finish_reason = self._finish_reason(seq, token)
-            if seq.grammar is not None:  # "grammar": complete, nothing may follow (an EOS accepted stays "eos")
-                ended = consume(seq, token)
-                if ended == "error" or (ended and seq.finish_reason is None):
-                    seq.finish_reason = "grammar" if ended == "stop" else ended
+            if seq.grammar is not None:
+                constrained.append((i, seq, token))
+        outcomes = self._grammar_steps.consume([(seq, token) for _, seq, token in constrained])
+        for n, (_, seq, _) in enumerate(constrained):
+            outcome = outcomes.get(n)
+            if isinstance(outcome, GrammarError):
+                self._end_with(seq, outcome)
+            elif outcome == "stop" and seq.finish_reason is None:  # complete: nothing may follow ("eos" stays)
+                seq.finish_reason = "grammar"
         if self.ahead is not None and self.ahead.pending is not None and any(s.finish_reason for s in sampled):
             self.ahead.drop()  # built for sequences that continue
         t3 = time.perf_counter()
         kind = "mixed" if chunks and single else ("prefill" if chunks else "decode")
-        ok = [i for i, t in enumerate(token_ids) if t != NON_FINITE]
+        ok = [i for i, t in enumerate(token_ids) if t != NON_FINITE and i not in grammar_failed]
         return StepOutput(
             seq_ids=[sampled[i].seq_id for i in ok], token_ids=[token_ids[i] for i in ok],
             logits=raw,
@@ -343,6 +356,13 @@ class Engine:
             start_ns=start_ns, batch_init_s=t1 - t0 - merge_s, merge_s=merge_s, forward_s=t2 - t1 - ahead_s,
             sample_s=t3 - t2, batch_init_ahead_s=ahead_s,
         )
+
+    def _end_with(self, seq: Sequence, error: GrammarError) -> None:
+        """The sequence ends with its structured output's error; the spec's compiled matcher goes (it failed: the
+        next request for it compiles again, and is refused there if it fails again)."""
+        seq.finish_reason, seq.error, seq.failure = "error", str(error), error
+        if self._grammars is not None and seq.sampling.structured_output is not None:
+            self._grammars.forget(seq.sampling.structured_output)
 
     def _select_weights(self, single: list[Planned], chunks: list[Planned]) -> tuple[bool, float]:
         """Whether the step runs on its lone adapter merged into the weights, and the seconds merging took."""

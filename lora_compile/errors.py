@@ -9,6 +9,11 @@ class CheckpointError(LoraCompileError):
     """A model directory that cannot be served: missing file, tensor, wrong shape, unsupported architecture."""
 
 
+class GrammarError(LoraCompileError, ValueError):
+    """A structured output that cannot be served: it does not compile, is over a budget (structured_output.
+    GrammarLimits), or failed in a step. The message says why, in our words (no engine internals)."""
+
+
 class AdapterError(LoraCompileError):
     """An adapter that cannot be loaded; the message says what is wrong with it."""
 

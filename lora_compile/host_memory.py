@@ -1,6 +1,9 @@
-"""How much memory this process may still take (for choices that cost a copy of the weights)."""
+"""How much memory this process may still take (for choices that cost a copy of the weights), how much it holds,
+and giving freed heap back to the system."""
 from __future__ import annotations
 
+import ctypes
+import os
 from pathlib import Path
 
 _CGROUP = Path("/sys/fs/cgroup")
@@ -38,3 +41,38 @@ def _cgroup_room() -> int | None:
         return max(0, int(limit) - used)
     except (OSError, ValueError):
         return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """This process's resident set (0 where /proc is missing)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _heap_release():
+    """The allocator's call that returns free pages to the system: TCMalloc's when it is loaded (the server's
+    default, service.allocator), else glibc's malloc_trim; None elsewhere."""
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return None
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        return lambda: release()
+    trim = getattr(process, "malloc_trim", None)
+    return (lambda: trim(0)) if trim is not None else None
+
+
+_RELEASE = _heap_release()
+
+
+def release_free_heap() -> None:
+    """Give the heap's free pages back to the system (ctypes drops the GIL while it runs): after a large
+    short-lived allocation, such as a refused grammar's, so the process's memory comes back down."""
+    if _RELEASE is not None:
+        _RELEASE()

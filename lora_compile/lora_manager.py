@@ -110,7 +110,9 @@ class LoRAManager:
     # --- registry -----------------------------------------------------------------------------------
     def read(self, name: str, path: str | Path, roots: tuple[str, ...] | None = None) -> LoRAAdapter:
         """Read and validate an adapter (any thread: no torch op; pinned on CUDA for non-blocking copies), its
-        files under `roots` (None: the manager's roots; empty: anywhere)."""
+        files under `roots` (None: the manager's roots; empty: anywhere). The name follows the one rule
+        (adapters.check_adapter_name) whatever the source."""
+        check_adapter_name(name)
         adapter = load_adapter(name, path, self._cfg, self.max_rank, self.roots if roots is None else roots)
         if self._pin:
             adapter.weights = [{m: (a.pin_memory(), b.pin_memory()) for m, (a, b) in layer.items()}
@@ -145,6 +147,7 @@ class LoRAManager:
             return self._info(name)
 
     def unregister(self, name: str) -> None:
+        check_adapter_name(name)
         with self._lock:
             if name not in self._entries:
                 raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
@@ -159,6 +162,7 @@ class LoRAManager:
     def knows(self, name: str) -> bool:
         """Registered, or found in an adapter directory. Raises AdapterNameError for a name that could not be
         a directory there (before touching any file), AdapterPathError for one that leads out of it."""
+        check_adapter_name(name)  # (a name the rule refuses is no adapter's, registered or on disk)
         return name in self._entries or self._find_on_disk(name) is not None
 
     def is_registered(self, name: str) -> bool:

@@ -150,7 +150,7 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"], next_input_ids: torch.T
     """logits: (B, vocab) float32, one row per sequence in `seqs`; changed in place. `next_input_ids`: where the
     tokens are also written on the device, before they are read (the next step's input ids, built ahead: a build
     that does not run is overwritten, so a NON_FINITE token there is harmless). `bitmask`: the tokens each row's
-    grammar allows (structured_output.fill_bitmask), applied once the row is known finite (its -inf would read as
+    grammar allows (grammar_steps.GrammarSteps.masks), applied once the row is known finite (its -inf would read as
     not finite), before any draw. A row that is not finite gets
     token -1 (NON_FINITE). Every operation below is row by row, so such a row cannot disturb the others; it is
     zeroed only where its values would otherwise be computed with (random rows). The order is the module's

@@ -27,6 +27,7 @@ class Sequence:
     # "length", "eos", "stop", "grammar" (its structured output is complete), or "error" (then `error` says why)
     finish_reason: str | None = None
     error: str | None = None
+    failure: Exception | None = None  # with "error": the request's own cause, where there is one (its grammar)
     # Owned by the engine while the sequence is admitted (kv_cache.KVCacheManager).
     block_table: list[int] = field(default_factory=list)  # KV blocks holding positions 0, bs, 2bs, ...
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks of known tokens

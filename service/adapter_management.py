@@ -44,7 +44,7 @@ class AdapterManagement:
             raise FailedPrecondition(f"adapter {name!r} is in use by in-flight requests; it cannot be replaced now")
         # (An unreadable path is an AdapterError from load_adapter: FAILED_PRECONDITION, docs/errors.md L06.)
         info = await runner.load_adapter(name, path)
-        log.info("loaded adapter %s from %s (rank %d)", info.name, info.path, info.rank)
+        log.info("loaded adapter %r from %r (rank %d)", info.name, str(info.path), info.rank)
         return info
 
     async def unload(self, name: str) -> None:
@@ -61,7 +61,7 @@ class AdapterManagement:
         if users:
             raise FailedPrecondition(f"adapter {name!r} is in use by {users} in-flight requests")
         await runner.unload_adapter(name)
-        log.info("unloaded adapter %s", name)
+        log.info("unloaded adapter %r", name)
 
 
 def check_adapter_path(path: str, roots: tuple[str, ...]) -> None:

@@ -117,6 +117,7 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="bytes of adapter weights kept in host memory (LRU); others are read from disk again when "
                         "used (default: 1/8 of the memory available at start)")
     _add_kv_cache_flags(p, engine_defaults)
+    _add_structured_output_flags(p, engine_defaults)
     p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
                    help="serve adapters on demand: a request naming an unregistered adapter NAME is served from "
                         "DIR/NAME/ (adapter_config.json + adapter_model.safetensors), read on first use; DIR is "
@@ -156,6 +157,10 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=RequestLimits().max_queue,
                    help="requests that may wait beyond a full batch before RESOURCE_EXHAUSTED "
                         "(default: %(default)s)")
+    p.add_argument("--max-request-share", type=float, default=RequestLimits().max_request_share, metavar="F",
+                   help="the share of the running sequences, and of the places running and queued, one call's "
+                        "choices (a prompt list, n) may hold at once; the rest of its choices follow as these "
+                        "finish (default: %(default)s)")
     p.add_argument("--grace-period", type=float, default=server_defaults.grace_period_s,
                    help="seconds in-flight streams get to finish after SIGTERM (default: %(default)s)")
     p.add_argument("--replica-id", default=None,
@@ -168,6 +173,11 @@ def serve_parser() -> argparse.ArgumentParser:
     _add_connection_flags(p)
     _add_security_flags(p)
     add_log_flags(p)
+    p.add_argument("--max-adapter-metric-series", type=int, default=server_defaults.max_adapter_metric_series,
+                   metavar="N",
+                   help="per-adapter series on /metrics (lora_serve:lora_adapter_resident): at most N, the adapters "
+                        "in a device slot first; the rest are counted in one adapter=\"other\" series per tier "
+                        "(default: %(default)s)")
     p.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default=server_defaults.metrics_prefix,
                    help="/metrics names of the metrics vLLM also exports: lora_serve, or vllm (vLLM's names and "
                         "label values: its Grafana dashboard and the endpoint picker's defaults read them "
@@ -203,6 +213,25 @@ def _add_kv_cache_flags(p: argparse.ArgumentParser, d: dict) -> None:
                    help="lazy: a request takes blocks as it grows; when none is free the newest running request is "
                         "preempted and recomputed later. reserve: admission takes blocks for prompt + max new "
                         "tokens at once, never preempts, admits fewer (default: %(default)s)")
+
+
+def _add_structured_output_flags(p: argparse.ArgumentParser, d: dict) -> None:
+    g = p.add_argument_group("structured outputs: what one constraint may cost (see docs/operations.md)")
+    g.add_argument("--structured-output-compile-timeout", type=float, metavar="SECONDS",
+                   default=d["structured_output_compile_timeout_s"],
+                   help="compiling a request's JSON schema, regex, choices or grammar (off the engine thread) may "
+                        "take this long; longer is refused with 400 / INVALID_ARGUMENT (default: %(default)s)")
+    g.add_argument("--structured-output-max-memory", type=int, metavar="MIB",
+                   default=d["structured_output_max_memory_mb"],
+                   help="memory one compiled constraint may keep; more is refused and given back "
+                        "(default: %(default)s)")
+    g.add_argument("--structured-output-cache-memory", type=int, metavar="MIB", default=d["structured_output_cache_mb"],
+                   help="memory all compiled constraints kept for reuse may take; the least recently used go first "
+                        "(default: %(default)s)")
+    g.add_argument("--structured-output-step-timeout", type=float, metavar="MS",
+                   default=d["structured_output_step_timeout_ms"],
+                   help="a step waits this long for its constrained sequences' grammar work; a sequence not done by "
+                        "then ends with an error and the rest of the batch goes on (default: %(default)s)")
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -308,7 +337,7 @@ def _server_config(args: argparse.Namespace):
         max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_limit,
         max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
         max_streams_per_connection=args.max_streams_per_connection, stall_timeout_s=args.stall_timeout,
-        max_overtakes=args.max_overtakes)
+        max_overtakes=args.max_overtakes, max_request_share=args.max_request_share)
     security = SecurityConfig(
         api_token=args.api_token or os.environ.get(API_TOKEN_ENV) or None,
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
@@ -321,6 +350,7 @@ def _server_config(args: argparse.Namespace):
     return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period,
                         limits=limits, security=security, http_port=args.http_port or None,
                         connections=_connection_limits(args), metrics_prefix=args.metrics_prefix,
+                        max_adapter_metric_series=args.max_adapter_metric_series,
                         served_model_names=tuple(args.served_model_name), logs=log_config(args),
                         tool_call_parser=args.tool_call_parser, chat_template=args.chat_template, **replica)
 
@@ -342,6 +372,10 @@ def _engine_config(args: argparse.Namespace, model: str):
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching, kv_growth=args.kv_growth,
         kv_cache_dtype=args.kv_cache_dtype,
+        structured_output_compile_timeout_s=args.structured_output_compile_timeout,
+        structured_output_max_memory_mb=args.structured_output_max_memory,
+        structured_output_cache_mb=args.structured_output_cache_memory,
+        structured_output_step_timeout_ms=args.structured_output_step_timeout,
     )
 
 
@@ -354,13 +388,19 @@ def serve_main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["trace-summary"]:  # the one subcommand; plain `lora-serve [flags]` serves
         from service.tools.trace_summary import main as trace_summary_main
         return trace_summary_main(argv[1:])
-    from service import allocator
+    from service import allocator, cpu_budget
+    openmp = None
     if argv == sys.argv[1:]:  # the process's own command line (an embedding caller's process is left alone)
         allocator.reexec_with_tcmalloc()  # before torch is imported; returns where TCMalloc is in place or unwanted
+        openmp = cpu_budget.apply()  # likewise: OpenMP reads them once, when torch loads
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lora-serve").setLevel(args.log_level)
+    if openmp is not None:
+        logging.getLogger("lora-serve").info(
+            "compute threads: %s (of %d usable CPUs: affinity and CPU quota), OpenMP wait policy %s",
+            openmp["OMP_NUM_THREADS"], cpu_budget.usable_cpus(), openmp.get("OMP_WAIT_POLICY", "libgomp's default"))
 
     import service.runner.engine_thread as engine_thread
     from lora_compile import Engine
@@ -397,7 +437,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         for name, path in adapters.items():
             # The operator's own adapters (and the demo's) may lie outside the roots, which confine LoadAdapter.
             info = engine_thread.call(functools.partial(engine.adapters.register, confined=False), name, path)
-            log.info("registered adapter %s (rank %d) from %s", name, info.rank, info.path)
+            log.info("registered adapter %r (rank %d) from %r", name, info.rank, str(info.path))
     except Exception as e:  # noqa: BLE001 - a bad flag or directory: one line, not a traceback
         log.error("cannot start: %s: %s", type(e).__name__, e)
         return 2

@@ -25,7 +25,19 @@ class LoraModule(NamedTuple):
 
 
 def lora_module(value: str) -> LoraModule:
-    """NAME=DIR, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}."""
+    """NAME=DIR, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}; NAME follows the one rule
+    for adapter names (lora_compile.adapters.check_adapter_name)."""
+    module = _lora_module(value)
+    from lora_compile.adapters import check_adapter_name
+    from lora_compile.errors import AdapterNameError
+    try:
+        check_adapter_name(module.name)
+    except AdapterNameError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return module
+
+
+def _lora_module(value: str) -> LoraModule:
     if not value.lstrip().startswith("{"):
         name, sep, path = value.partition("=")
         if not sep or not name or not path:

@@ -5,6 +5,7 @@ All of them are checked before a request gets any work: a request over a limit i
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # a 1 MiB request holds far more prompt than any context here
@@ -36,6 +37,14 @@ class RequestLimits:
     # Requests admitted past one that waits for a device slot (their adapters already hold slots) before admission
     # holds for it (docs/architecture.md, adapter-aware admission).
     max_overtakes: int = 16
+    # One call's choices (a prompt list, n) in flight at once: at most this share of the running sequences and of
+    # the places in flight (running + queue); the rest wait in the call's own backlog and follow as these finish.
+    max_request_share: float = 0.25
+
+    def request_caps(self, max_num_seqs: int) -> tuple[int, int]:
+        """(running, in flight) choices one call may hold at once, each at least 1."""
+        share = self.max_request_share
+        return max(1, math.ceil(share * max_num_seqs)), max(1, math.ceil(share * (max_num_seqs + self.max_queue)))
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -52,5 +61,7 @@ class RequestLimits:
             raise ValueError(f"max_streams_per_connection must be >= 1, got {self.max_streams_per_connection}")
         if self.max_overtakes < 0:
             raise ValueError(f"max_overtakes must be >= 0, got {self.max_overtakes}")
+        if not 0 < self.max_request_share <= 1:
+            raise ValueError(f"max_request_share must be in (0, 1], got {self.max_request_share}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")

@@ -148,6 +148,7 @@ def validate(params: GenerateParams, prompt_ids: list[int] | None, limits: Reque
         adapter=params.adapter or None,
         stop=tuple(params.stop),
         n=n,
+        structured_output_field=name("structured_output"),
     )
 
 

@@ -73,6 +73,9 @@ class ServerConfig:
     replica_id: str = field(default_factory=default_replica_id)
     # /metrics names: "lora_serve" (ours) or "vllm" (vLLM's names and label values; telemetry/prometheus_names.py)
     metrics_prefix: str = DEFAULT_METRICS_PREFIX
+    # Per-adapter series of /metrics (lora_adapter_resident): at most this many, the rest counted in one
+    # adapter="other" series per tier, as vLLM's max_loras bounds its label sets.
+    max_adapter_metric_series: int = 64
     # The names the base model answers to and is reported under (the first); empty: its directory's name.
     served_model_names: tuple[str, ...] = ()
     logs: LogConfig = LogConfig()
@@ -101,7 +104,8 @@ class LoraServer:
                                             adapter_tiers=self.runner.adapter_tiers)
                          if telemetry is not None else None)
         # /metrics (the HTTP door): gauges read from the runner when scraped, counters fed like the observer.
-        self.metrics = (PrometheusMetrics(self.runner.stats, info.model, info.max_seq_len, config.metrics_prefix)
+        self.metrics = (PrometheusMetrics(self.runner.stats, info.model, info.max_seq_len, config.metrics_prefix,
+                                          config.max_adapter_metric_series)
                         if config.http_port is not None else None)
         logs = config.logs
         self.access_log = (AccessLog(logs.access_log_skip_paths)

@@ -42,14 +42,16 @@ def test_integer_weights_are_refused(base, tmp_path):
         load_adapter("a", src, cfg, 16)
 
 
-@pytest.mark.parametrize("name, says", [
-    ("", "must not be empty"), ("a/b", "path separator"), ("a\\b", "path separator"), ("..", '".."'),
-    ("a..b", '".."'), (".env", "dot"), ("a\x00b", "NUL"), ("a\nb", "control"), ("x" * 256, "at most 255")])
-def test_bad_adapter_names(name, says):
-    with pytest.raises(AdapterNameError, match=says):
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "a\\b", ".env", "-x", "a\x00b", "pirate\n", "a b",
+                                  "x" * 129, "Ünïcode", "pirate\u202e", "\u200fpirate"])
+def test_bad_adapter_names(name):
+    """One rule, one message: what it may hold, with the name escaped (the NUL, newline and right-to-left marks
+    shown as escapes, never printed raw)."""
+    with pytest.raises(AdapterNameError, match="use 1 to 128 letters, digits") as info:
         check_adapter_name(name)
+    assert str(info.value).isprintable()
 
 
 def test_good_adapter_names():
-    for name in ("tenant-001", "customer_42.v2", "x" * 255, "Ünïcode"):
+    for name in ("tenant-001", "customer_42.v2", "x" * 128, "a..b", "Pirate.2", "0"):
         check_adapter_name(name)

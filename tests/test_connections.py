@@ -241,6 +241,58 @@ def test_slowloris_request_head_is_closed_after_the_header_timeout(timed, caplog
     assert any("did not arrive within 0.5s (--header-timeout)" in r.getMessage() for r in caplog.records)
 
 
+def test_a_request_body_that_trickles_in_gets_408_after_the_header_timeout(timed, caplog):
+    """A head that arrives whole, then a body a byte at a time: the body has the head's deadline from the head's
+    end, then a 408 in our words and the connection closes; meanwhile others are answered."""
+    port = timed.server.http_port
+    body = b'{"model": "x", "prompt": "hi"}'
+    sock = _connect(port)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body[:2])
+    reply, sent, answered = b"", 2, False
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline and sent < len(body) - 1:
+        if select.select([sock], [], [], 0.05)[0]:
+            reply = _read_to_eof(sock)
+            break
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.send(body[sent:sent + 1])
+            sent += 1
+        answered = answered or _health_on_new_connection(port) == 200
+    sock.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and b"connection: close" in head, (reply, sent)
+    assert "did not arrive within 0.5s of its headers" in json.loads(payload)["error"]["message"]
+    assert answered and sent < len(body) - 1
+    assert any("request body did not arrive within 0.5s" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tls_handshake_that_never_ends_is_closed_after_the_header_timeout(tmp_path):
+    """With TLS on the HTTP door: a connection that opens and never sends its ClientHello is closed after the
+    head deadline (it was asyncio's 60 s), and TLS clients are served meanwhile."""
+    from tests.certs import CertificateAuthority
+    from service.security import SecurityConfig, TlsConfig
+
+    ca = CertificateAuthority(tmp_path)
+    cert = ca.issue("server", server=True)
+    server = ServerThread(shared_engine(), ServerConfig(
+        port=0, http_port=0, security=SecurityConfig(tls=TlsConfig(str(cert.cert), str(cert.key))),
+        connections=ConnectionLimits(header_timeout_s=HEADER_S)))
+    try:
+        port = server.server.http_port
+        t0 = time.monotonic()
+        with _connect(port) as silent:
+            import ssl
+            context = ssl.create_default_context(cafile=str(ca.pem.cert))
+            with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as raw, \
+                    context.wrap_socket(raw, server_hostname="localhost") as tls:
+                assert _get(tls)[0] == 200  # a TLS client, served while the silent one waits
+            assert _read_to_eof(silent) == b""
+        assert time.monotonic() - t0 < 20 * HEADER_S, "the handshake was not bounded by the head deadline"
+    finally:
+        server.stop()
+
+
 def test_huge_request_head_gets_431(timed):
     """H20 (docs/errors.md)."""
     port = timed.server.http_port

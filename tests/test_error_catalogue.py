@@ -160,6 +160,8 @@ ELSEWHERE = {
     "L12": "test_hostile_adapters.py::test_nested_or_oversize_config_is_refused_and_read_once",
     "L13": "test_hostile_adapters.py::test_safetensors_header_is_bounded",
     "U03": "test_service_adapters.py::test_load_and_unload_while_streaming",
+    "G54": "test_grammar_limits.py::test_grammar_failures_are_400s_in_our_words",
+    "G55": "test_grammar_limits.py::test_a_step_waits_at_most_its_budget_for_grammar_work",
 }
 
 
@@ -223,6 +225,8 @@ def test_adapter_management_catalogue(served, tmp_path):
         "L07": ("x", str(bad_json), PRECONDITION, "is not valid JSON", None),
         "L08": ("x", "p" * 5000, INVALID, "at most 4096 characters", "path"),
         "L10": ("x", "~no-such-user-here/adapter", INVALID, "'~' cannot be expanded (no such user)", "path"),
+        "L14": ("pirate\n", str(adapters["pirate"]), INVALID, "adapter name 'pirate\\n' is not allowed: use 1 to 128",
+                None),
     }
     with grpc.insecure_channel(served.target) as channel:
         stub = pb_grpc.AdaptersStub(channel)
@@ -266,7 +270,7 @@ def test_catalogue_and_tests_agree():
     """Every id in docs/errors.md is checked here or in the test it names, and nothing here is undocumented."""
     documented = set(re.findall(r"^\| ([GTLUCA]\d\d) \|", CATALOGUE.read_text(), flags=re.M))
     here = set(GENERATE_CASES) | {"T01", "T02", "T03", "L01", "L02", "L03", "L04", "L05", "L06", "L07", "L08",
-                                  "L10", "U01", "U02", "U04", "C02"}
+                                  "L10", "L14", "U01", "U02", "U04", "C02"}
     assert documented == here | set(ELSEWHERE), (documented ^ (here | set(ELSEWHERE)))
     for where in ELSEWHERE.values():
         path, test = where.split("::")

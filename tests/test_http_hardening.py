@@ -199,8 +199,8 @@ def test_refused_adapter_names_name_the_model_param(served):
         with pytest.raises(openai.NotFoundError) as info:
             client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2)
         assert info.value.param == "model" and "adapter 'no-such-adapter' is not loaded" in info.value.message
-        for name, says in (("../outside", "must not contain a path separator"), (".hidden", "must not start with a dot"),
-                           ("a\\b", "must not contain a path separator")):
+        for name in ("../outside", ".hidden", "a\\b", "pirate\n"):
+            says = "is not allowed: use 1 to 128 letters, digits"
             with pytest.raises(openai.BadRequestError) as info:
                 client.completions.create(model=name, prompt="Hi", max_tokens=2)
             assert info.value.param == "model" and info.value.code == "invalid_argument", name

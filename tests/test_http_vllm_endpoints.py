@@ -74,7 +74,7 @@ def _openai(served: Served) -> openai.OpenAI:
 
 # --- adapters ------------------------------------------------------------------------------------------------
 def test_load_generate_and_unload_live_through_http(served):
-    name, path = "team/sql", str(served.root / "sql")  # ("/": retrieved as /v1/models/team/sql)
+    name, path = "team.sql", str(served.root / "sql")
     load = {"lora_name": name, "lora_path": path, "base_model_name": "ignored"}  # (the syncer sends the last)
 
     # Management takes the admin token: none, or the API token, is a 401 (as the gRPC door's UNAUTHENTICATED).
@@ -133,6 +133,10 @@ def test_adapter_paths_outside_the_roots_missing_or_empty_are_refused(served):
          f"Loading lora ghost failed: No adapter found for {served.root / 'ghost'}"),
         ({"lora_name": "", "lora_path": str(served.root / "sql")}, 400, None,
          "Both 'lora_name' and 'lora_path' must be provided."),
+        ({"lora_name": "team/sql", "lora_path": str(served.root / "sql")}, 400, "lora_name",
+         "adapter name 'team/sql' is not allowed"),
+        ({"lora_name": "pirate\n", "lora_path": str(served.root / "sql")}, 400, "lora_name",
+         "adapter name 'pirate\\n' is not allowed"),
         ({"lora_name": "x", "lora_path": str(served.root / "sql"), "is_3d_lora_weight": True}, 400,
          "is_3d_lora_weight", "not supported"),
         ({"lora_name": "x"}, 400, "lora_path", "Field required"),

@@ -74,3 +74,29 @@ def test_resident_series_are_the_adapters_in_memory_now(adapter_dir):
         assert len(tiers) == 3 and sum(tiers.values()) == len(engine.adapters.list()) >= N_ADAPTERS
     finally:
         server.stop()
+
+
+def test_resident_series_are_capped_by_count(adapter_dir):
+    """With room in host memory for many adapters, --max-adapter-metric-series bounds the series all the same: the
+    adapters in a device slot first, then host ones, the rest counted in one adapter="other" series per tier."""
+    model, _ = demo_paths()
+    engine = build_engine(model, {}, adapter_dirs=(str(adapter_dir),))
+    cap = 5
+    server = ServerThread(engine, ServerConfig(port=0, http_port=0, max_adapter_metric_series=cap))
+    prompt = engine.tokenizer.encode("Hi")
+    try:
+        with server.client() as client:
+            client.complete(prompt, adapter=_name(0), max_new_tokens=1)  # one in a device slot
+            for i in range(1, 40):
+                client.load_adapter(_name(i))
+            server.wait_idle()
+            device, host = engine.adapters.residency()
+            assert len(device) + len(host) >= 40
+            samples = metrics(server.server.http_port)
+        series = samples["lora_serve:lora_adapter_resident"]
+        named = [s for s in series if s.labels["adapter"] != "other"]
+        assert len(named) == cap and {s.labels["adapter"] for s in named} >= set(device)
+        other = {s.labels["tier"]: s.value for s in series if s.labels["adapter"] == "other"}
+        assert sum(other.values()) == len(device) + len(host) - cap
+    finally:
+        server.stop()

@@ -68,7 +68,7 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly():
     try:
         log = "".join(server.lines)
         assert "float32, plain weights (eager: --no-compile)" in log
-        assert "loading model" in log and "warm-up done" in log and "registered adapter pirate" in log
+        assert "loading model" in log and "warm-up done" in log and "registered adapter 'pirate'" in log
         assert "outside the engine thread" not in log  # the CLI keeps torch in one thread
         assert "moved out of the garbage collector's reach" in log  # gc.freeze() after warm-up
         assert "serving the random demo model" in log

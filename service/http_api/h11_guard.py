@@ -1,5 +1,6 @@
 """uvicorn's h11 protocol with the connection limits uvicorn lacks: a cap on open connections, a deadline for the
-request head (slowloris), the keep-alive timeout from a connection's start, and 431 for an over-size head.
+request head (slowloris) and one for its body (the same, from the head's end: 408), the keep-alive timeout from a
+connection's start, and 431 for an over-size head.
 
 Built on uvicorn's pure-Python h11 protocol, which the HTTP server pins (its default, `auto`, would pick
 httptools where that is installed: another parser, without these hooks). Overridden: the asyncio protocol
@@ -31,6 +32,7 @@ class DoorGuard:
     max_head_bytes: int
     refusals: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
     slow_heads: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
+    slow_bodies: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
 
 
 def _response(status: int, reason: str, message: str, code: str, extra: str = "") -> bytes:
@@ -45,6 +47,7 @@ class GuardedH11Protocol(H11Protocol):
         self.guard = guard
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None  # after an error answer: the rest is read and dropped
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -78,6 +81,13 @@ class GuardedH11Protocol(H11Protocol):
             self._head_timer = self.loop.call_later(self.guard.header_timeout_s, self._head_timed_out)
         elif not waiting:
             self._cancel_head_timer()
+        # Its body, likewise, has header_timeout_s from the head's end (a body sent a byte at a time held the
+        # connection and its handler for good).
+        sending = self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing()
+        if sending and self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.guard.header_timeout_s, self._body_timed_out)
+        elif not sending:
+            self._cancel_body_timer()
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -85,6 +95,21 @@ class GuardedH11Protocol(H11Protocol):
             self.guard.slow_heads.warning("HTTP door: closed a connection whose request head did not arrive within "
                                           "%gs (--header-timeout)", self.guard.header_timeout_s)
             self.transport.close()
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.guard.slow_bodies.warning("HTTP door: closed a connection whose request body did not arrive within "
+                                          "%gs of its head (--header-timeout)", self.guard.header_timeout_s)
+            self.transport.write(_response(
+                408, "Request Timeout", f"the request body did not arrive within {self.guard.header_timeout_s:g}s "
+                "of its headers (this server's --header-timeout); send the whole request at once", "timeout"))
+            self.transport.close()
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -112,6 +137,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_body_timer()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)

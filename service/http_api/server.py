@@ -26,9 +26,27 @@ LISTEN_BACKLOG = 2048  # connections the kernel queues for accept()
 
 
 class _EmbeddedServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, handshake_timeout_s: float):
+        super().__init__(config)
+        self.handshake_timeout_s = handshake_timeout_s
+
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield  # lora-serve's own handlers drain both doors
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, with TLS handshakes bounded by the head deadline (--header-timeout; asyncio's default is
+        60 s, during which a connection that never finishes its handshake is not yet counted against the cap).
+        uvicorn has no setting for it: its create_server call gets the argument for the start-up alone."""
+        loop = asyncio.get_running_loop()
+        if self.config.ssl is None:
+            return await super().startup(sockets)
+        loop.create_server = functools.partial(type(loop).create_server, loop,
+                                               ssl_handshake_timeout=self.handshake_timeout_s)
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -79,7 +97,7 @@ class HttpServer:
             ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None,
             ssl_ca_certs=tls.client_ca_file if tls else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.client_ca_file else ssl.CERT_NONE)
-        self._server = _EmbeddedServer(config)
+        self._server = _EmbeddedServer(config, limits.header_timeout_s)
         self._restore_handler = install_accept_error_handler(asyncio.get_running_loop())
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-server")
         while not self._server.started:  # the listener is up within a loop turn or two

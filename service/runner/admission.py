@@ -9,20 +9,29 @@ a request never holds up the ones behind it for something they do not need:
 - max_num_seqs sequences run, or too few KV blocks are free for its prompt: admission stops (first come, first
   served: a shorter prompt behind it does not pass it; blocks free up as running sequences finish);
 - it is a sibling choice (n > 1) whose first choice has not computed their shared prompt yet: it keeps its place
-  and is skipped, so it reads that prompt from the prefix cache (parent_request.py).
+  and is skipped, so it reads that prompt from the prefix cache (parent_request.py);
+- its call (a prompt list, n) runs its share of the batch already (RequestLimits.max_request_share): it keeps its
+  place and is skipped, so one call of many prompts leaves the batch to the others too.
 The engine decides each of these (Engine.admit's AdmitOutcome); admission only orders the queue.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from lora_compile import Engine
 from lora_compile.step_output import AdmitOutcome
-from lora_compile.errors import AdapterError, AdapterNotFoundError, AdapterNotReadyError, AdapterOutputError
-from service.errors import EngineFailure, FailedPrecondition
+from lora_compile.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterNotReadyError,
+    AdapterOutputError,
+    GrammarError,
+)
+from service.errors import EngineFailure, FailedPrecondition, FieldViolation, InvalidArgument
 from service.runner.request import RequestEventType
 
 if TYPE_CHECKING:
@@ -40,8 +49,11 @@ def load_error(name: str, exc: BaseException, registered: bool) -> Exception:
 
 
 def step_error(state: RequestState, failed: dict[str, AdapterOutputError]) -> Exception:
-    """The status of a request its step ended (non-finite values): FAILED_PRECONDITION when its adapter was found
-    bad (every request using it ends so), else the engine's own failure (INTERNAL)."""
+    """The status of a request its step ended: its own cause where the engine named one (its structured output's
+    grammar: INVALID_ARGUMENT); FAILED_PRECONDITION when its adapter was found bad (non-finite values: every request
+    using it ends so); else the engine's own failure (INTERNAL)."""
+    if isinstance(state.seq.failure, GrammarError):
+        return InvalidArgument([FieldViolation(state.request.structured_output_field, str(state.seq.failure))])
     exc = failed.get(state.request.adapter)
     return FailedPrecondition(str(exc)) if exc is not None else EngineFailure(state.seq.error)
 
@@ -72,17 +84,23 @@ def prompt_computed(first: RequestState) -> bool:
 
 
 def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
-          on_load_done: Callable[[Future], None]) -> tuple[list[RequestState], list[tuple[RequestState, Exception | None]]]:
+          on_load_done: Callable[[Future], None], running_cap: int | None = None,
+          running: list[RequestState] = ()) -> tuple[list[RequestState], list[tuple[RequestState, Exception | None]]]:
+    """`running_cap`: the most choices of one call (ParentRequest) that may run at once, `running` the batch now."""
     admitted: list[RequestState] = []
     rejected: list[tuple[RequestState, Exception | None]] = []
     blocked: RequestState | None = None  # the oldest request waiting for a device slot
     manager = engine.adapters
+    per_call = Counter(id(s.parent) for s in running if s.parent is not None and not s.aborted)
     for state in candidates:
         if engine.num_running >= engine.config.max_num_seqs:
             break
         if state.aborted:
             rejected.append((state, None))  # dropped; nothing to report to anyone
             continue
+        call = id(state.parent) if state.parent is not None else None
+        if call is not None and running_cap is not None and per_call[call] >= running_cap:
+            continue  # its call runs its share already: it keeps its place, the others go on
         if state.waits_for is not None:  # a sibling choice (n > 1): it keeps its place, the others go on
             if not prompt_computed(state.waits_for):
                 continue
@@ -134,4 +152,6 @@ def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
             fields["adapter_read"] = state.adapter_read
         state.record_event(RequestEventType.ADMITTED, **fields)
         admitted.append(state)
+        if call is not None:
+            per_call[call] += 1
     return admitted, rejected

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
@@ -69,6 +70,9 @@ class ParentRequest:
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _write: asyncio.Future | None = None  # the handler's send in progress (see deliver)
     _expiry: asyncio.TimerHandle | None = None
+    # Choices not queued yet: past the call's share of the runner's places (RequestLimits.max_request_share), they
+    # follow as its queued ones finish (EngineRunner._refill).
+    backlog: deque[RequestState] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         for state in self.choices:

@@ -19,6 +19,8 @@ class GenerationRequest:
     adapter: str | None = None            # None: the base model
     stop: tuple[str, ...] = ()
     n: int = 1                            # choices sampled from the one prompt
+    # The structured output's field in the door's own words (GenerateParams.names): where a step's refusal points.
+    structured_output_field: str = "structured_output"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class RequestState:
     aborted: bool = False   # the client went away (cancel, deadline, stream closed)
     done: bool = False      # the last output (or an error) is pending
     closed: bool = False    # the handler is gone; no longer counted as an open stream
+    queued: bool = False    # in the runner's queue or batch (a call's choices past its share wait in its backlog)
     # Append-only (the engine thread stamps admission while the loop may read): readers keep their own index.
     events: list[RequestEvent] = field(default_factory=list)
     # Adapter admission (admission.py): the host load it waits on, when it began waiting, the read's (start, end)

@@ -60,6 +60,9 @@ class EngineRunner(EngineDoor):
         self._idle: asyncio.Event | None = None
         self._open_streams = 0  # add_request .. abort: handlers still streaming, finished or not
         self.max_streams = limits.max_concurrent_streams or engine.config.max_num_seqs + limits.max_queue
+        # One call's share (RequestLimits.max_request_share): choices running, and queued or running, at once.
+        self._running_cap, self._in_flight_cap = limits.request_caps(engine.config.max_num_seqs)
+        self._paced: list[ParentRequest] = []  # calls with choices in their backlog
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -76,7 +79,7 @@ class EngineRunner(EngineDoor):
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
         except asyncio.TimeoutError:
-            for state in [*self._waiting, *self._running]:
+            for state in [*self._waiting, *self._running, *self._backlogged()]:
                 state.finish_with(state.processor.cancel())
                 state.aborted = True
             self._wake()
@@ -119,10 +122,13 @@ class EngineRunner(EngineDoor):
         return min(self.engine.config.max_num_seqs + self.limits.max_queue, self.max_streams)
 
     def add_parent_request(self, requests: list[GenerationRequest]) -> ParentRequest:
-        """A call of one or several prompts, each with its n choices (parent_request.py): all of them are queued,
-        or none (RESOURCE_EXHAUSTED / UNAVAILABLE)."""
+        """A call of one or several prompts, each with its n choices (parent_request.py): taken, or refused whole
+        (RESOURCE_EXHAUSTED / UNAVAILABLE). At most its share of the places (RequestLimits.max_request_share) is
+        queued now; the rest wait in its backlog and follow as its queued choices finish (_refill), so one call
+        of many prompts leaves the queue and the batch to the others too."""
         choices = fan_out(requests, self.engine.kv_cache.block_size, self.engine.config.enable_prefix_caching)
-        self.check_capacity(len(choices))
+        first = min(len(choices), self._in_flight_cap)
+        self.check_capacity(first)
         states: list[RequestState] = []
         for choice in choices:
             state = self._new_state(choice.request, choice.index)
@@ -130,8 +136,11 @@ class EngineRunner(EngineDoor):
                 state.waits_for = states[choice.waits_for]
             states.append(state)
         parent = ParentRequest(requests[0].request_id, states, keep_finished_s=self.limits.stall_timeout_s)
-        for state in states:
+        for state in states[:first]:
             self._queue(state)
+        if len(states) > first:
+            parent.backlog.extend(states[first:])
+            self._paced.append(parent)
         return parent
 
     def add_request(self, request: GenerationRequest) -> RequestState:
@@ -146,6 +155,7 @@ class EngineRunner(EngineDoor):
         return RequestState(request, seq, OutputProcessor(self.engine.tokenizer, seq, request.stop), index=index)
 
     def _queue(self, state: RequestState) -> None:
+        state.queued = True
         state.record_event(RequestEventType.QUEUED)
         start_load(self.engine, state, self._on_load_done)  # its adapter's read starts now, while it queues
         if self.observer is not None:
@@ -170,9 +180,10 @@ class EngineRunner(EngineDoor):
             state.record_event(RequestEventType.ABORTED)
         if not state.closed:
             state.close()
-            self._open_streams -= 1
-            if self.observer is not None:
-                self.observer.on_finished(state)
+            if state.queued:  # (one still in its call's backlog was never counted, nor reported)
+                self._open_streams -= 1
+                if self.observer is not None:
+                    self.observer.on_finished(state)
         if not state.aborted:
             state.aborted = True
             state.done = True
@@ -184,7 +195,22 @@ class EngineRunner(EngineDoor):
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + sum(len(p.backlog) for p in self._paced)
+
+    def _backlogged(self) -> list[RequestState]:
+        return [s for p in self._paced for s in p.backlog]
+
+    def _refill(self) -> None:
+        """Queue calls' backlogged choices as their queued ones finish, each call up to its share."""
+        for parent in list(self._paced):
+            in_flight = sum(1 for s in parent.choices if s.queued and not s.done)
+            while parent.backlog and in_flight < self._in_flight_cap:
+                state = parent.backlog.popleft()
+                if not state.aborted:
+                    self._queue(state)
+                    in_flight += 1
+            if not parent.backlog:
+                self._paced.remove(parent)
 
     @property
     def num_running(self) -> int:
@@ -205,7 +231,7 @@ class EngineRunner(EngineDoor):
         event loop."""
         cfg, adapters, kv = self.engine.config, self.engine.adapters, self.engine.kv_cache
         running = [s for s in self._running if not s.done]
-        waiting = [s for s in self._waiting if not s.aborted]
+        waiting = [s for s in (*self._waiting, *self._backlogged()) if not s.aborted]
         device, host = adapters.residency()
         return SchedulerStats(
             num_running=len(running), num_waiting=len(waiting), kv_cache_usage=kv.usage,
@@ -225,6 +251,7 @@ class EngineRunner(EngineDoor):
     async def _loop(self) -> None:
         while True:
             self._sweep_aborted()
+            self._refill()
             if not (self._waiting or self._running or self._to_release):
                 self._idle.set()
                 self._wakeup.clear()
@@ -277,7 +304,7 @@ class EngineRunner(EngineDoor):
                 return
 
     def _fail_all(self, error: Exception) -> None:
-        for state in [*self._waiting, *self._running]:
+        for state in [*self._waiting, *self._running, *self._backlogged()]:
             state.finish_with(error)
             state.aborted = True
 
@@ -295,7 +322,8 @@ class EngineRunner(EngineDoor):
         """Runs in the engine thread."""
         for seq in to_release:
             self._release(seq)
-        admitted, rejected = admit(self.engine, candidates, self.limits.max_overtakes, self._on_load_done)
+        admitted, rejected = admit(self.engine, candidates, self.limits.max_overtakes, self._on_load_done,
+                                   self._running_cap, running)
         result = IterationResult(admitted=admitted, rejected=rejected, stepped=[],
                                  adapter_events=self.engine.adapters.take_events())
         result.stepped = [s for s in running if not s.aborted] + result.admitted

@@ -73,10 +73,10 @@ class PrometheusMetrics:
     `max_model_len` bounds the token-count buckets (vLLM's); `prefix`: "lora_serve" or "vllm"."""
 
     def __init__(self, stats: Callable[[], SchedulerStats], model_name: str, max_model_len: int,
-                 prefix: str = "lora_serve"):
+                 prefix: str = "lora_serve", max_adapter_series: int = 64):
         names = self.names = MetricNames(prefix)
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(SchedulerCollector(stats, model_name, names))
+        self.registry.register(SchedulerCollector(stats, model_name, names, max_adapter_series))
         model = names.labelvalues(model_name)
 
         def counter(name: str, doc: str) -> Counter:

@@ -3,8 +3,10 @@ exact then): queue, running batch, KV-cache use, the engine's own counters, cach
 and which adapters sit in memory now.
 
 Per-adapter series (lora_adapter_resident) are built anew at each scrape from the adapters resident now: one that
-leaves memory leaves the next scrape, so their number is bounded by what the device slots
-(--max-loras-per-batch) and the host cache (--max-cpu-lora-bytes) hold, never by how many adapters were ever used.
+leaves memory leaves the next scrape, so their number is bounded by what the device slots (--max-loras-per-batch)
+and the host cache hold, never by how many adapters were ever used; and by count (--max-adapter-metric-series):
+the adapters in a device slot first, then those in host memory, the rest counted in one adapter="other" series per
+tier (a host cache of small adapters may hold thousands).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from prometheus_client.registry import Collector
 
 from service.telemetry.prometheus_names import OWN_PREFIX, MetricNames
 
+OTHER_ADAPTERS = "other"  # lora_adapter_resident's label for the adapters past the series cap (their count)
+
 if TYPE_CHECKING:
     from service.runner.reports import SchedulerStats
 
@@ -24,8 +28,10 @@ if TYPE_CHECKING:
 class SchedulerCollector(Collector):
     """Gauges (and the engine's monotonic counts) from a scheduler snapshot, taken when Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str, names: MetricNames):
+    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str, names: MetricNames,
+                 max_adapter_series: int = 64):
         self._stats = stats
+        self._max_adapter_series = max_adapter_series
         self._names = names
         self._labels = list(names.labelnames), list(names.labelvalues(model_name))
 
@@ -71,9 +77,14 @@ class SchedulerCollector(Collector):
         resident = GaugeMetricFamily(OWN_PREFIX + "lora_adapter_resident",
                                      "1 for each adapter held in a tier now: device (a LoRA slot) or host (memory)",
                                      labels=["adapter", "tier"])
+        room = self._max_adapter_series
         for tier, adapters in (("device", s.device_adapters), ("host", s.host_adapters)):
-            for name in adapters:
+            listed, rest = adapters[:room], adapters[room:]
+            room -= len(listed)
+            for name in listed:
                 resident.add_metric([name, tier], 1.0)
+            if rest:
+                resident.add_metric([OTHER_ADAPTERS, tier], float(len(rest)))
         yield resident
         tiers = GaugeMetricFamily(OWN_PREFIX + "lora_adapters", "Known adapters by the fastest tier holding them "
                                   "(device slot, host memory, disk only)", labels=["tier"])
