@@ -10,8 +10,9 @@ a request never holds up the ones behind it for something they do not need:
   served: a shorter prompt behind it does not pass it; blocks free up as running sequences finish);
 - it is a sibling choice (n > 1) whose first choice has not computed their shared prompt yet: it keeps its place
   and is skipped, so it reads that prompt from the prefix cache (parent_request.py);
-- its call (a prompt list, n) runs its share of the batch already (RequestLimits.max_request_share): it keeps its
-  place and is skipped, so one call of many prompts leaves the batch to the others too.
+- its call (a prompt list, n) runs its share of the batch already (RequestLimits.max_request_share) while another
+  call waits too: it keeps its place and is skipped, so one call of many prompts leaves the batch to the others
+  (alone, it takes the free places: the share costs it nothing when nobody else waits).
 The engine decides each of these (Engine.admit's AdmitOutcome); admission only orders the queue.
 """
 from __future__ import annotations
@@ -86,12 +87,15 @@ def prompt_computed(first: RequestState) -> bool:
 def admit(engine: Engine, candidates: list[RequestState], max_overtakes: int,
           on_load_done: Callable[[Future], None], running_cap: int | None = None,
           running: list[RequestState] = ()) -> tuple[list[RequestState], list[tuple[RequestState, Exception | None]]]:
-    """`running_cap`: the most choices of one call (ParentRequest) that may run at once, `running` the batch now."""
+    """`running_cap`: the most choices of one call (ParentRequest) that may run at once while another call's choices
+    wait too (a call alone may take the places nobody else wants); `running` the batch now."""
     admitted: list[RequestState] = []
     rejected: list[tuple[RequestState, Exception | None]] = []
     blocked: RequestState | None = None  # the oldest request waiting for a device slot
     manager = engine.adapters
     per_call = Counter(id(s.parent) for s in running if s.parent is not None and not s.aborted)
+    if len({id(s.parent) for s in candidates if not s.aborted}) < 2:
+        running_cap = None  # one call waits alone: the batch's free places are its, not kept empty
     for state in candidates:
         if engine.num_running >= engine.config.max_num_seqs:
             break
