@@ -161,33 +161,45 @@ def test_memory_comes_back_after_a_hundred_pathological_constraints(served):
     assert grammars.cached_bytes <= grammars.limits.cache_bytes
 
 
-def test_a_step_waits_at_most_its_budget_for_grammar_work(served):
+def test_a_step_waits_at_most_its_budget_for_grammar_work(served, monkeypatch):
     """A sequence whose grammar work is not done within the step's budget ends with a precise error, and the
-    sequence beside it goes on: a budget of a microsecond, which no mask over 49k tokens meets (one walks the
-    vocabulary's trie: ~0.1 ms and more), for an ordinary regex."""
+    sequence beside it goes on. The mask call is held until the steps are over (a grammar slower than any budget,
+    whatever the machine's speed), so the first step that needs it runs into the budget."""
+    from lora_compile import grammar_steps
+
     engine = served.engine
     steps = engine._grammar_steps
     spec = StructuredOutput("regex", r"[a-z]{1,30}@[a-z]{1,30}\.(com|org|net)")
+    release, real_fill = threading.Event(), grammar_steps.llg_torch.fill_next_token_bitmask
 
-    def run() -> tuple[Sequence, Sequence]:
+    def held_fill(*args, **kwargs):
+        release.wait()
+        return real_fill(*args, **kwargs)
+
+    def run() -> tuple[Sequence, Sequence, int]:
         engine.grammars.compile(spec)
         slow = Sequence(900_001, [5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True, structured_output=spec))
         free = Sequence(900_002, [5, 6, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))
         running = [slow, free]
         assert all(engine.try_admit(s) for s in running)
-        limits, steps.limits = steps.limits, dataclasses.replace(steps.limits, step_timeout_s=1e-6)
+        monkeypatch.setattr(grammar_steps.llg_torch, "fill_next_token_bitmask", held_fill)
+        stepped = 0
         try:
             while not slow.is_finished:
                 engine.step(running)
+                stepped += 1
             engine.step([free])
         finally:
-            steps.limits = limits
+            release.set()
+            monkeypatch.undo()
             for s in running:
                 engine.release(s)
-        return slow, free
+        return slow, free, stepped
 
     late = steps.late
-    slow, free = served.in_engine_thread(run)
-    assert slow.finish_reason == "error" and "took longer than the step's limit of 0.001 ms" in slow.error
-    assert free.finish_reason is None and len(free.output_ids) >= 2  # it went on, in the same steps and after
-    assert steps.late > late
+    slow, free, stepped = served.in_engine_thread(run)
+    budget_ms = 1000 * steps.limits.step_timeout_s
+    assert slow.finish_reason == "error" and f"took longer than the step's limit of {budget_ms:g} ms" in slow.error
+    assert stepped == 1 and slow.output_ids == []  # its first sampling step: the prompt fits one step
+    assert free.finish_reason is None and len(free.output_ids) == 2  # it went on, in the same step and after
+    assert steps.late == late + 1

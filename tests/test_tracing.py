@@ -376,11 +376,14 @@ def test_configuration_from_the_environment(monkeypatch):
 
 
 def test_deadline_is_an_error(stack: Stack):
+    # The deadline is half of a measured 40-token call, and the call asks for 160 tokens: it ends at the deadline.
+    start = time.perf_counter()
+    list(stack.served.stub().Generate(request(max_new_tokens=40)))
+    deadline = max(0.02, (time.perf_counter() - start) / 2)
     header, trace_id, _ = traceparent()
     with pytest.raises(grpc.RpcError) as err:
-        # (200 tokens take ~100 steps of a few ms each: the deadline ends the call well before its last one)
-        list(stack.served.stub().Generate(request(max_new_tokens=200), metadata=(("traceparent", header),),
-                                          timeout=0.05))
+        list(stack.served.stub().Generate(request(max_new_tokens=160), metadata=(("traceparent", header),),
+                                          timeout=deadline))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     spans = stack.collect(lambda s: in_trace(s, trace_id, "loraserve.v1.Generation/Generate"))
     [server] = in_trace(spans, trace_id, "loraserve.v1.Generation/Generate")

@@ -34,7 +34,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class CallSpan:
     """One call: its SERVER span, what the handler was given, and how the call ended."""
 
-    __slots__ = ("span", "method", "start_ns", "request", "end_ns", "code", "message", "cancelled")
+    __slots__ = ("span", "method", "start_ns", "request", "end_ns", "code", "message", "cancelled", "deadline_s")
 
     def __init__(self, span: Span, method: str, start_ns: int):
         self.span = span
@@ -45,6 +45,7 @@ class CallSpan:
         self.code: grpc.StatusCode | None = None
         self.message: str | None = None
         self.cancelled = False        # the client cancelled (not a deadline)
+        self.deadline_s: float | None = None  # the call's time limit as it reached us (None: none)
 
 
 def current_call() -> CallSpan | None:
@@ -85,6 +86,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             f"{service}/{name}", context=_PROPAGATOR.extract(carrier), kind=SpanKind.SERVER, start_time=start_ns,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
         call = CallSpan(span, name, start_ns)
+        call.deadline_s = context.time_remaining()
         _CALL.set(call)
         return call
 
@@ -93,7 +95,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         if isinstance(exc, grpc.aio.AbortError):  # the error interceptor already sent the status
             self._end(call, _status_code(context.code()), message=_details(context))
         elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # the call went away under us
-            if _deadline_passed(context):
+            if _deadline_passed(context, call):
                 self._end(call, grpc.StatusCode.DEADLINE_EXCEEDED, message="deadline exceeded")
             else:
                 self._end(call, grpc.StatusCode.CANCELLED, cancelled=True)
@@ -186,6 +188,11 @@ def _details(context: grpc.aio.ServicerContext) -> str | None:
     return details or None
 
 
-def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+def _deadline_passed(context: grpc.aio.ServicerContext, call: CallSpan) -> bool:
+    """Whether a call that went away ended at its deadline. The client's timer started before ours (by the time
+    the call took to reach us, more on a loaded host), and at its deadline the client cancels the stream as it
+    would by hand, so a cancel in the last quarter of the time the call had when it reached us is its deadline."""
     remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0.001
+    if remaining is None or call.deadline_s is None:
+        return False
+    return remaining <= max(0.005, 0.25 * call.deadline_s)
