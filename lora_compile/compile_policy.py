@@ -72,10 +72,11 @@ def configure(cache_dir: str | None) -> Path:
 
 def _layer_variant(layer, x, *batch) -> int:
     """Which traced layer a call reuses. Every layer of a model is built from the same config (same shapes,
-    dtypes; what differs per layer, Gemma's window and rotary table, is a tensor of the layer), so the only
-    difference between calls is whether the step carries adapters. Keying on it
-    skips comparing each call's inputs against the first trace (seconds of every start)."""
-    return int(ForwardBatch.flat_has_lora(batch))
+    dtypes; what differs per layer, Gemma's window and rotary table, is a tensor of the layer), so the differences
+    between calls are whether the step carries adapters and the forms the layer's weights are held in (a GGUF's
+    layers may differ: quantization.plan). Keying on them skips comparing each call's inputs against the first
+    trace (seconds of every start)."""
+    return layer.form_key * 2 + int(ForwardBatch.flat_has_lora(batch))
 
 
 # torch 2.12 added reuse_hash_fn. Before it, Dynamo traces every layer's call and reuses identical graphs (slower

@@ -13,6 +13,7 @@ import torch
 from .errors import CheckpointError
 from .model_families import FAMILIES, SUPPORTED_ARCHITECTURES, Family  # noqa: F401 (SUPPORTED_ARCHITECTURES: re-exported)
 from .packed_gemm import native_bf16
+from .quantization import GROUP_SIZES, QUANTIZATIONS
 from .structured_output import GrammarLimits
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # model.ACTIVATIONS implements them
@@ -345,6 +346,11 @@ class EngineConfig:
     # mask run off the engine thread within a time and a memory budget, or it is refused; compiled ones are kept up
     # to a total; a step's grammar work (masks, consuming the sampled tokens) waits at most the step timeout, after
     # which the sequences not done end with an error and the others go on.
+    # Base weights' form (lora_compile/quantization/; vLLM's --quantization): "gguf" keeps a GGUF's blocks where a kernel
+    # computes them exactly, "auto" is "gguf" in bfloat16 / float16 and "none" otherwise, "int8" / "int4" quantize
+    # at load (int4 in groups of quantization_group_size), "none" keeps every weight at full width.
+    quantization: str = "auto"
+    quantization_group_size: int = 32
     structured_output_compile_timeout_s: float = 2.0
     structured_output_max_memory_mb: int = 64
     structured_output_cache_mb: int = 256
@@ -376,6 +382,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got "
+                             f"{self.quantization_group_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                              f"{self.attention_backend!r}")

@@ -19,11 +19,13 @@ from .cuda_graphs import DecodeGraphs, GraphShape
 from .errors import AdapterOutputError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCacheManager, kv_cache_size
+from .kv_cache.sizing import format_bytes
 from .step_output import AdmitOutcome, StepOutput
 from .layers import rope_tables
 from .lora_manager import LoRAManager
 from .lora_merge import build_merger
-from .model import CausalLM
+from . import quantization
+from .model import CausalLM, projection_tensors
 from .model_source import ModelSource
 from .prompt_logprobs import PromptLogprobs
 from .sampling import NON_FINITE, SamplingParams, sample
@@ -84,10 +86,15 @@ class Engine:
                                                       config.compile)
         self.attention_backend = compile_policy.attention_backend(config.attention_backend, self.device,
                                                                   mc.attn_logit_softcapping)
-        self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
-                              self.lora_kernel, self.attention_backend)
         with source.open_checkpoint() as ckpt:
+            forms, described = quantization.plan(config.quantization, config.quantization_group_size, ckpt,
+                                                 *projection_tensors(mc), self.device, self.dtype)
+            for line in described:
+                log.info("weights %s", line)
+            self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
+                                  self.lora_kernel, self.attention_backend, forms)
             self.model.load_weights(ckpt)
+        self.quantized = any(form.kind != "none" for layer in forms for form in layer.values())
         if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
             self.model.prepack_weights()
         # Sized after the weights and adapter slots are allocated: on CUDA the default budget is what they leave.
@@ -98,6 +105,10 @@ class Engine:
         self.kv_cache = KVCacheManager(size, config.enable_prefix_caching)
         log.info("KV cache: %s, prefix caching %s, %s growth", size.describe(kv_dtype),
                  "on" if config.enable_prefix_caching else "off", config.kv_growth)
+        held = self.model.memory_bytes()
+        log.info("memory: weights %s%s, adapter slots %s, KV cache %s", format_bytes(held["weights"]),
+                 f" (+ {format_bytes(held['packed'])} oneDNN-packed copies)" if held["packed"] else "",
+                 format_bytes(held["adapters"]), format_bytes(size.nbytes))
         if self.device.type == "cpu":
             log.info(huge_pages.status())
         self._admission_order = itertools.count()
@@ -109,8 +120,9 @@ class Engine:
             tuple(config.adapter_roots), tuple(config.adapter_dirs), config.adapter_loader_threads, self.device,
         )
         # Merging is float32 only: a bf16 merge would round W + BA once more than the per-token LoRA path does.
+        # (a quantized base has no float weight to merge into: its adapters run unmerged)
         self._merger = build_merger(self.model, config.merge_lone_adapter,
-                                    self.weights_packed and self.dtype == torch.float32,
+                                    self.weights_packed and self.dtype == torch.float32 and not self.quantized,
                                     self.adapters.slot_generation, config.merge_after_steps)
         overlap = config.overlap_batch_init if config.overlap_batch_init is not None else self.device.type == "cuda"
         overlap = overlap and self._merger is None  # (merging decides per step, on the CPU: no build ahead there)

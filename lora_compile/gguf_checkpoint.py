@@ -1,5 +1,6 @@
 """llama.cpp's GGUF files, read with `gguf` (llama.cpp's own Python reader): the config from the file's metadata,
-and weights dequantised at load, one tensor at a time, under the Hugging Face names the engine asks for.
+and weights under the Hugging Face names the engine asks for, one tensor at a time: dequantised at load (get), or,
+for a projection kept in its 4-bit form (lora_compile/quantization/), as the file's own codes and scales (get_quantized).
 
 The file is memory-mapped; a tensor is dequantised (numpy, float32) only when the model copies it into place, so
 loading holds one dequantised tensor at a time beside the engine's weights.
@@ -114,6 +115,41 @@ class GGUFCheckpoint:
         mapped = self._names.get_name(base)
         return f"{mapped}.{suffix}" if mapped is not None else None
 
+    def tensor_type(self, name: str) -> str | None:
+        """The GGUF type of the tensor the Hugging Face checkpoint would call `name` ("Q4_1", "F32", ...), or None
+        where the file has none."""
+        gguf_name = self._gguf_name(name)
+        tensor = self._tensors.get(gguf_name) if gguf_name else None
+        return None if tensor is None else tensor.tensor_type.name
+
+    def get_quantized(self, name: str, shape: tuple[int, int]):
+        """`name`'s tensor as int4 groups of 32 exactly as stored (quantization.from_gguf_blocks; Q4_0, Q4_1 and Q4_K
+        only), rows in Hugging Face's order."""
+        from .quantization import from_gguf_blocks
+
+        gguf_name = self._gguf_name(name)
+        tensor = self._tensors[gguf_name]
+        file_shape = tuple(int(d) for d in reversed(tensor.shape))
+        if file_shape != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} ({name!r}) has shape {file_shape}, the config "
+                                  f"implies {tuple(shape)}")
+        qt = from_gguf_blocks(tensor.data, tensor.tensor_type.name, file_shape)
+        heads = self._permuted_heads(gguf_name)
+        if heads is not None:
+            order = torch.from_numpy(_unpermute(np.arange(shape[0]), heads))
+            qt = qt.rows(order)
+        return qt
+
+    def _permuted_heads(self, gguf_name: str) -> int | None:
+        """The heads whose rows llama.cpp interleaved in this tensor (Q, K of "llama"), or None."""
+        if self.arch not in _PERMUTED_QK or not gguf_name.endswith((".attn_q.weight", ".attn_k.weight",
+                                                                     ".attn_q.bias", ".attn_k.bias")):
+            return None
+        heads = self.value(f"{self.arch}.attention.head_count")
+        if ".attn_k." in gguf_name:
+            heads = self.value(f"{self.arch}.attention.head_count_kv", heads)
+        return int(heads)
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor the Hugging Face checkpoint would call `name`, dequantised to float32 and checked against the
         expected shape; errors name the file and both names."""
@@ -123,12 +159,9 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: tensor {name!r} (GGUF {gguf_name!r}) is missing from the file")
         weights = np.asarray(_gguf().dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weights = weights.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # GGUF lists dims innermost first
-        if self.arch in _PERMUTED_QK and gguf_name.endswith((".attn_q.weight", ".attn_k.weight", ".attn_q.bias",
-                                                             ".attn_k.bias")):
-            heads = self.value(f"{self.arch}.attention.head_count")
-            if ".attn_k." in gguf_name:
-                heads = self.value(f"{self.arch}.attention.head_count_kv", heads)
-            weights = _unpermute(weights, int(heads))
+        heads = self._permuted_heads(gguf_name)
+        if heads is not None:
+            weights = _unpermute(weights, heads)
         if tuple(weights.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor {gguf_name!r} ({name!r}) has shape {tuple(weights.shape)}, "
                                   f"the config implies {tuple(shape)}")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import quantization
 from .config import ModelConfig
 from .forward_batch import LoRABatch
 from .packed_gemm import linear, prepack
@@ -115,6 +116,8 @@ class LoRALinear(nn.Module):
         device: torch.device,
         block_diagonal_b: bool = False,
         b_chunk: int = 0,
+        quant: str = "none",
+        group_size: int = 0,
     ):
         super().__init__()
         self.output_sizes = tuple(output_sizes)  # the one table every slice of this layer derives from
@@ -125,7 +128,15 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.slot_rows = len(output_sizes) * max_rank  # rows of A per slot
         n_stored = max_loras + 1  # slot 0, the base model's zero rows, + device slots 1..max_loras
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        # The base weight in one form (quantization): full width, or packed codes and their scales (load_quantized).
+        self.quant, self.group_size = quant, group_size
+        if quant == "none":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                       requires_grad=False)
+        else:
+            self.register_parameter("weight", None)
+        self.register_buffer("qweight", None, persistent=False)
+        self.register_buffer("qscales", None, persistent=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -174,10 +185,30 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def prepack(self) -> None:
-        self.weight_packed = prepack(self.weight)
+        if self.weight is not None:  # (a quantized weight is in its kernel's layout already)
+            self.weight_packed = prepack(self.weight)
+
+    @torch.no_grad()
+    def load_quantized(self, qt: quantization.QuantizedTensor) -> None:
+        """The base weight as codes and scales (this projection's form), packed for the device's kernel."""
+        if (qt.kind, qt.shape) != (self.quant, (self.out_features, self.in_features)):
+            raise ValueError(f"expected a {self.quant} weight of {(self.out_features, self.in_features)}, got "
+                             f"{qt.kind} {qt.shape}")
+        dtype = self.lora_a_stack.dtype
+        self.qweight, self.qscales = quantization.pack(qt, dtype, self.lora_a_stack.device)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Memory the base weight takes (packed copies not counted)."""
+        if self.weight is not None:
+            return self.weight.numel() * self.weight.element_size()
+        return quantization.nbytes(self.qweight, self.qscales)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.weight_packed)
+        if self.weight is None:
+            y = quantization.linear(x, self.quant, self.qweight, self.qscales, self.group_size)
+        else:
+            y = linear(x, self.weight, self.weight_packed)
         return y if self.bias is None else y + self.bias
 
     @torch.no_grad()

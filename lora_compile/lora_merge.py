@@ -47,15 +47,14 @@ def build_merger(model: CausalLM, mode: str, weights_packed: bool, slot_generati
                  after_steps: int) -> LoneAdapterMerger | None:
     if mode == "on" and not weights_packed:
         log.warning("merge_lone_adapter=on needs packed weights (CPU float32, prepack_weights): not merging")
-    if mode != "auto":
+    if mode != "auto" or not weights_packed:  # (nothing to size when no packed copy can be merged)
         enabled = should_merge(mode, weights_packed, 0, None)
     else:
         copy_bytes, available = merged_copy_bytes(model), available_memory_bytes()
         enabled = should_merge(mode, weights_packed, copy_bytes, available)
-        if weights_packed:
-            log.info("lone-adapter merging %s (merge_lone_adapter=auto): a merged copy takes %.2f GB, %s available",
-                     "on" if enabled else "off", copy_bytes / 1e9,
-                     "unknown" if available is None else f"{available / 1e9:.1f} GB")
+        log.info("lone-adapter merging %s (merge_lone_adapter=auto): a merged copy takes %.2f GB, %s available",
+                 "on" if enabled else "off", copy_bytes / 1e9,
+                 "unknown" if available is None else f"{available / 1e9:.1f} GB")
     return LoneAdapterMerger(model, slot_generation, after_steps) if enabled else None
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import compile_policy, packed_gemm
+from . import compile_policy, packed_gemm, quantization
 from .checkpoint import SafetensorsCheckpoint
 from .config import ModelConfig
 from .forward_batch import PLACEHOLDER_KEYS, AttentionMetadata, ForwardBatch
@@ -35,15 +35,28 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {m: shapes[m] for m in lora_targets(cfg)}
 
 
+def projection_tensors(cfg: ModelConfig) -> tuple[dict[str, tuple[str, ...]], dict[str, list[str]], dict[str, int]]:
+    """What quantization.plan reads: each projection path's modules, each module's checkpoint tensor in every
+    layer, each path's input size."""
+    paths, shapes = lora_targets(cfg), module_shapes(cfg)
+    projections = dict(cfg.family.projections)
+    names = {m: [f"model.layers.{i}.{paths[m]}.weight" for i in range(cfg.num_hidden_layers)]
+             for modules in projections.values() for m in modules}
+    return projections, names, {path: shapes[modules[0]][0] for path, modules in projections.items()}
+
+
 def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_rank: int, dtype, device,
-                lora_kernel: str) -> LoRALinear:
-    """The LoRALinear at `path` of the family's projections: its modules' outputs side by side."""
+                lora_kernel: str, forms: dict[str, quantization.WeightForm] | None = None) -> LoRALinear:
+    """The LoRALinear at `path` of the family's projections: its modules' outputs side by side, its base weight in
+    the form `forms` gives it (quantization.plan; none: full width)."""
     shapes = module_shapes(cfg)
     modules = cfg.family.projections[path]
     sizes = tuple(shapes[m][1] for m in modules)
+    form = (forms or {}).get(path, quantization.NONE)
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
                       block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS,
-                      b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes))
+                      b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes),
+                      quant=form.kind, group_size=form.group_size)
 
 
 def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -191,7 +204,8 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
-                 index: int = 0, attention_backend: str = "inductor"):
+                 index: int = 0, attention_backend: str = "inductor",
+                 forms: dict[str, quantization.WeightForm] | None = None):
         super().__init__()
         self.sdpa = attention_backend == "sdpa"  # compile_policy.attention_backend: torch's fused kernels
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -208,7 +222,7 @@ class Attention(nn.Module):
             self.window = torch.tensor(cfg.sliding_window if sliding else NO_WINDOW, device=device)
             if cfg.rope_local_theta is not None:
                 self.local = torch.tensor(sliding, device=device)
-        lora = (max_loras, max_rank, dtype, device, lora_kernel)
+        lora = (max_loras, max_rank, dtype, device, lora_kernel, forms)
         self.qkv_proj = _projection(cfg, "self_attn.qkv_proj", cfg.attention_bias, *lora)
         self.o_proj = _projection(cfg, "self_attn.o_proj", cfg.o_proj_bias, *lora)
         norm = (cfg.head_dim, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
@@ -270,9 +284,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed"):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
+                 forms: dict[str, quantization.WeightForm] | None = None):
         super().__init__()
-        lora = (max_loras, max_rank, dtype, device, lora_kernel)
+        lora = (max_loras, max_rank, dtype, device, lora_kernel, forms)
         self.gate_up_proj = _projection(cfg, "mlp.gate_up_proj", cfg.mlp_bias, *lora)
         self.down_proj = _projection(cfg, "mlp.down_proj", cfg.mlp_bias, *lora)
         self.act = ACTIVATIONS[cfg.hidden_act]
@@ -286,14 +301,17 @@ class DecoderLayer(nn.Module):
     """The unit of compilation: one compiled region serves every layer (compile_policy)."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
-                 index: int = 0, attention_backend: str = "inductor"):
+                 index: int = 0, attention_backend: str = "inductor",
+                 forms: dict[str, quantization.WeightForm] | None = None):
         super().__init__()
         self.table = cfg.family.projections
+        # Layers whose projections hold their weights in other forms (quantization.plan) trace to other graphs.
+        self.form_key = quantization.form_key(forms or {})
         norm = (cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
         self.input_layernorm = RMSNorm(*norm)
-        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel, index, attention_backend)
+        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel, index, attention_backend, forms)
         self.post_attention_layernorm = RMSNorm(*norm)
-        self.mlp = MLP(cfg, max_loras, max_rank, dtype, device, lora_kernel)
+        self.mlp = MLP(cfg, max_loras, max_rank, dtype, device, lora_kernel, forms)
         # Gemma's: post_attention_layernorm normalises the attention's output, these the MLP's input and output.
         sandwich = cfg.family.sandwich_norms
         self.pre_feedforward_layernorm = RMSNorm(*norm) if sandwich else None
@@ -360,9 +378,11 @@ def _with_derived_lora(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
-                 attention_backend: str = "inductor"):
+                 attention_backend: str = "inductor", forms: list[dict[str, quantization.WeightForm]] | None = None):
         super().__init__()
         self.config = cfg
+        # Each layer's path -> quantization.WeightForm (quantization.plan; part of the saved stack's key).
+        self.weight_forms = [dict(f) for f in forms] if forms else [{} for _ in range(cfg.num_hidden_layers)]
         self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped" or "masked"
         self.attention_backend = attention_backend  # compile_policy.attention_backend: "inductor" or "sdpa"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
@@ -371,7 +391,8 @@ class CausalLM(nn.Module):
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).item() if cfg.family.embed_scale
                             else None)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, max_loras, max_rank, dtype, device, lora_kernel, i, attention_backend)
+            DecoderLayer(cfg, max_loras, max_rank, dtype, device, lora_kernel, i, attention_backend,
+                         self.weight_forms[i])
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
@@ -399,6 +420,21 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
         return self.logits(self.hidden_states(input_ids, fb), logits_idx)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """What the model holds, by kind, for the start log: "weights" (one copy of each base weight, in its form),
+        "packed" (oneDNN's second copies, prepack_weights), "adapters" (the device slots' A and B); the KV cache apart."""
+        held = {"weights": 0, "packed": 0, "adapters": 0}
+        seen: set[int] = set()  # (a tied head is the embeddings' tensor)
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            leaf = name.rpartition(".")[2]
+            if t is None or id(t) in seen or leaf in ("k_cache", "v_cache"):
+                continue
+            seen.add(id(t))
+            kind = ("packed" if leaf in ("weight_packed", "lm_head_packed")
+                    else "adapters" if leaf in ("lora_a_stack", "lora_b") else "weights")
+            held[kind] += t.numel() * t.element_size()
+        return held
+
     @torch.no_grad()
     def prepack_weights(self) -> None:
         """Give every base projection and the head a oneDNN-packed copy (CPU float32; see packed_gemm).
@@ -425,7 +461,13 @@ class CausalLM(nn.Module):
                     put(norm.weight, f"{p}{name}.weight")
             paths = lora_targets(self.config)
             for projection, modules in layer.projections():
+                if projection.weight is None:  # kept quantized (lora_compile/quantization/): its modules' rows, then packed
+                    form = quantization.WeightForm(projection.quant, projection.group_size)
+                    parts = [quantization.load(ckpt, f"{p}{paths[m]}.weight", (end - start, projection.in_features),
+                                               form) for (start, end), m in zip(projection._slices, modules)]
+                    projection.load_quantized(quantization.cat_rows(parts))
                 for (start, end), module in zip(projection._slices, modules):
-                    put(projection.weight[start:end], f"{p}{paths[module]}.weight")
+                    if projection.weight is not None:
+                        put(projection.weight[start:end], f"{p}{paths[module]}.weight")
                     if projection.bias is not None:
                         put(projection.bias[start:end], f"{p}{paths[module]}.bias")

@@ -43,7 +43,8 @@ def artifact_key(model: torch.nn.Module) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     h = hashlib.sha256()
-    h.update(f"{torch.__version__} {sys.version_info[:3]} {model.config!r} {model.lora_kernel}".encode())
+    h.update(f"{torch.__version__} {sys.version_info[:3]} {model.config!r} {model.lora_kernel} "
+             f"{model.attention_backend} {model.weight_forms!r}".encode())
     # What Inductor's own cache keys on besides the graph: its settings, threads (OpenMP team sizes are written
     # into the generated code), deterministic algorithms.
     h.update(repr(sorted(inductor_config.save_config_portable().items())).encode())

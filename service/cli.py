@@ -53,6 +53,7 @@ def _fraction(value: str) -> float:
 def serve_parser() -> argparse.ArgumentParser:
     from lora_compile import EngineConfig
     from lora_compile.config import ATTENTION_BACKENDS, LORA_KERNELS, MERGE_MODES
+    from lora_compile.quantization import GROUP_SIZES, QUANTIZATIONS
     from service.cli_vllm import add_log_flags, lora_module, token_count
     from service.limits import RequestLimits
     from service.http_api.tool_calls import TOOL_CALL_PARSERS
@@ -140,6 +141,14 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="how a step computes LoRA deltas: grouped GEMMs over per-adapter segments (CUDA bf16), GEMMs "
                         "over every adapter slot with each token's own kept (masked), or per-token indexed reductions "
                         "(the CPU's); auto picks by device and dtype (default: %(default)s)")
+    p.add_argument("--quantization", "-q", default=engine_defaults["quantization"], choices=QUANTIZATIONS,
+                   help="base weights' form: gguf keeps a GGUF file's blocks as they are wherever a kernel computes "
+                        "them exactly (Q4_0, Q4_1, Q4_K as int4; Q8_0, Q5_0, Q5_1 as int8 groups) and dequantises the "
+                        "rest; auto is gguf in bfloat16/float16 and none otherwise; int8 (per row) / int4 (groups "
+                        "of --quantization-group-size) quantize at load; none keeps every weight at full width "
+                        "(default: %(default)s)")
+    p.add_argument("--quantization-group-size", type=int, default=engine_defaults["quantization_group_size"],
+                   choices=GROUP_SIZES, help="int4: weights per scale and zero (default: %(default)s)")
     p.add_argument("--attention-backend", default=engine_defaults["attention_backend"], choices=ATTENTION_BACKENDS,
                    help="how attention reads the paged KV cache: torch's fused scaled_dot_product_attention over K/V "
                         "gathered per sequence (sdpa, CUDA's) or Inductor's generated reductions (inductor, the "
@@ -364,7 +373,8 @@ def _engine_config(args: argparse.Namespace, model: str):
         max_num_batched_tokens=args.max_num_batched_tokens, max_loras_per_batch=args.max_loras_per_batch,
         max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype, compile=not args.no_compile,
         precompile=not args.no_precompile, cuda_graphs=not args.no_cuda_graphs, lora_kernel=args.lora_kernel,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         prepack_weights=not args.no_prepack_weights, adapter_roots=tuple(args.adapter_root),
         max_cpu_lora_bytes=args.max_cpu_lora_bytes, adapter_dirs=tuple(args.adapter_dir),
         adapter_loader_threads=args.adapter_loader_threads,

@@ -1,0 +1,132 @@
+"""Packing a quantized weight for the device's kernel, and the product with it: torch's own weight-only kernels
+(CPU int4pack / int8pack, CUDA int4pack) or, for many tokens on the CPU, the weight dequantised in the graph."""
+from __future__ import annotations
+
+import torch
+
+from .tensor import INT4_OFFSET, QuantizedTensor
+
+
+def pack(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, scales) in the layout the device's kernel reads: int4 (torch's int4pack, scales and zeros
+    (K / group, N, 2) in the activation dtype); int8 per row (the codes (N, K) and one scale a row in that dtype);
+    int8 in groups as two int4 halves of one int4pack (_int4_halves)."""
+    if qt.kind == "int8" and not qt.group_size:
+        return qt.codes.to(device).contiguous(), qt.scale.to(device=device, dtype=dtype)
+    if qt.kind == "int8":
+        qt = _int4_halves(qt)
+    scales_and_zeros = torch.stack([qt.scale.t(), qt.zero.t()], dim=-1).to(device=device, dtype=dtype).contiguous()
+    codes = qt.codes.to(torch.int32)
+    if device.type == "cuda":  # two codes a byte, the even column in the high nibble (torch >= 2.5's input)
+        packed = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
+        return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), 8), scales_and_zeros
+    cpu_int4_layout_known()  # (asked here, outside any compiled region: linear reads the answer)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1), scales_and_zeros
+
+
+def _int4_halves(qt: QuantizedTensor) -> QuantizedTensor:
+    """An int8-group weight as the int4 weight of twice its rows whose two halves sum to it, exactly: a code
+    q = 16 h + l (h = q >> 4 in [-8, 7], l = q & 15), so w = q s + z = (h + 8 - 8) 16 s + ((l - 8) s + 8 s + z).
+    torch has no int8 kernel with a scale per group; its int4 kernel computes both halves in one call."""
+    q = qt.codes.to(torch.int16)
+    high, low = (q >> 4) + INT4_OFFSET, q & 0x0F
+    codes = torch.cat([high, low]).to(torch.uint8)
+    scale = torch.cat([16 * qt.scale, qt.scale])
+    zero = torch.cat([torch.zeros_like(qt.zero), qt.zero + INT4_OFFSET * qt.scale])
+    return QuantizedTensor("int4", codes, scale, zero, qt.group_size)
+
+
+# Up to this many tokens a step runs torch's weight-only kernel; above it, the weight dequantised in the graph and
+# oneDNN's GEMM. The kernel goes a row of x at a time (~11 us a row for 1536 x 576 in bf16: 27 us at 1 token against
+# a dense GEMM's 97, 2.8 ms at 256 against 0.32), while dequantising costs about what ~50 rows do (~0.5 ms there,
+# Inductor's fused pass): SmolLM2's bf16 steps crossed over between 32 tokens (kernel 89 ms, dequantised 126) and
+# 250 (566 against 313) on a Xeon with AMX, 2 threads.
+KERNEL_MAX_TOKENS = 64
+
+
+def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x (T, K) @ w.T for a packed weight (pack). On the CPU: torch's weight-only kernel for a few tokens in
+    bfloat16; the dequantised weight's GEMM for more, and always in float32, where torch's kernels took 10x a
+    dense GEMM (a scalar path)."""
+    x = x.contiguous()  # (torch's weight-only kernels read their input densely)
+    if x.device.type == "cuda":
+        if kind == "int8" and not group_size:  # (no int8 weight-only kernel of torch's there: into the GEMM)
+            return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
+        return _halves_summed(kind, torch.ops.aten._weight_int4pack_mm(x, codes, group_size, scales))
+
+    def kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if kind == "int8" and not group_size:
+            return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+        return _halves_summed(kind, int4_linear_cpu(x, codes, scales, group_size))
+
+    def dense(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if kind == "int8" and not group_size:
+            return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
+        w = _dequantize_cpu_int4(codes, scales, group_size, x.dtype)
+        if kind == "int8":
+            high, low = w.chunk(2, dim=0)
+            w = high + low
+        return torch.nn.functional.linear(x, w)
+
+    if kind != "int8" or group_size:
+        if not cpu_int4_layout_known() or scales.shape[1] % _CPU_INT4_BLOCK:
+            return kernel(x, codes, scales)
+    if x.dtype == torch.float32:
+        return dense(x, codes, scales)
+    if torch.compiler.is_compiling():  # decided at run time, in the one graph
+        return torch.cond(x.shape[0] > KERNEL_MAX_TOKENS, dense, kernel, (x, codes, scales))
+    return (dense if x.shape[0] > KERNEL_MAX_TOKENS else kernel)(x, codes, scales)
+
+
+def _halves_summed(kind: str, y: torch.Tensor) -> torch.Tensor:
+    if kind == "int8":  # an int8-group weight's two int4 halves (_int4_halves)
+        high, low = y.chunk(2, dim=-1)
+        return high + low
+    return y
+
+
+# torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu), where N divides into blocks of 64 rows: for each
+# block and each input index k, 32 bytes, byte i holding row i's code (low nibble) and row i + 32's (high).
+_CPU_INT4_BLOCK = 64
+
+
+def _dequantize_cpu_int4(codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The (N, K) weight in `dtype` that a CPU int4 pack (pack) stands for: w = (q - 8) * scale + zero."""
+    n, k = scales.shape[1], scales.shape[0] * group_size
+    blocks = codes.reshape(n // _CPU_INT4_BLOCK, k, _CPU_INT4_BLOCK // 2)
+    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).permute(0, 2, 1).reshape(n, k // group_size, group_size)
+    scale, zero = scales[..., 0].t().unsqueeze(-1), scales[..., 1].t().unsqueeze(-1)
+    return ((q.to(dtype) - INT4_OFFSET) * scale + zero).reshape(n, k)
+
+
+_layout_checked: list[bool] = []  # cpu_int4_layout_known's answer, once asked (pack asks, before any tracing)
+
+
+def cpu_int4_layout_known() -> bool:
+    """Whether this torch packs int4 as _dequantize_cpu_int4 reads it (a private layout: checked once)."""
+    if _layout_checked:
+        return _layout_checked[0]
+    codes = torch.randint(0, 16, (2 * _CPU_INT4_BLOCK, 64), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    ones = torch.stack([torch.ones(2, 128), torch.full((2, 128), float(INT4_OFFSET))], dim=-1)
+    _layout_checked.append(bool(torch.equal(_dequantize_cpu_int4(packed, ones, 32, torch.float32), codes.float())))
+    return _layout_checked[0]
+
+
+@torch.library.custom_op("lora_serve::int4_linear_cpu", mutates_args=())
+def int4_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """torch's CPU int4 kernel as an opaque call in the compiled graph. Inductor's own lowering of it passes the
+    group size as a tensor constant, which torch 2.13 hands wrongly to a repeated region's subgraph ("group size
+    must be a scalar"): the decoder layer is one."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, group_size, scales)
+
+
+@int4_linear_cpu.register_fake
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales.shape[1])
+
+
+def nbytes(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    return codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
