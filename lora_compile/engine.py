@@ -24,7 +24,7 @@ from .step_output import AdmitOutcome, StepOutput
 from .layers import rope_tables
 from .lora_manager import LoRAManager
 from .lora_merge import build_merger
-from . import quantization
+from . import heap, quantization
 from .model import CausalLM, projection_tensors
 from .model_source import ModelSource
 from .prompt_logprobs import PromptLogprobs
@@ -91,9 +91,17 @@ class Engine:
                                                  *projection_tensors(mc), self.device, self.dtype)
             for line in described:
                 log.info("weights %s", line)
+            embed = "model.embed_tokens.weight"
+            tables = [quantization.table_form(config.quantization, ckpt, name, what, mc.hidden_size, self.device,
+                                              self.dtype)
+                      for name, what in ((embed, "embeddings"), (embed, "head (tied)") if mc.tie_word_embeddings
+                                         else ("lm_head.weight", "head"))]
+            for line in tables[0][1] + tables[1][1]:
+                log.info("weights %s", line)
             self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
-                                  self.lora_kernel, self.attention_backend, forms)
+                                  self.lora_kernel, self.attention_backend, forms, tables[1][0], tables[0][0])
             self.model.load_weights(ckpt)
+        heap.release_free_memory()  # (loading's temporaries: docs/operations.md, quantized weights)
         self.quantized = any(form.kind != "none" for layer in forms for form in layer.values())
         if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
             self.model.prepack_weights()
@@ -145,7 +153,8 @@ class Engine:
     @property
     def weights_packed(self) -> bool:
         """True when the GEMMs run on oneDNN-packed weights (CPU float32 or native bf16, prepack_weights)."""
-        return self.model.lm_head_packed is not None
+        return self.model.lm_head_packed is not None or any(
+            getattr(m, "weight_packed", None) is not None for m in self.model.modules())
 
     # --- capacity -----------------------------------------------------------------------------------
     @property
@@ -412,6 +421,7 @@ class Engine:
                     seq.block_table, seq.lora_slot = [0] * -(-n // self.config.block_size), slot
                     seqs.append(seq)
                 self.step(seqs)
+            heap.release_free_memory()  # (compiling's temporaries)
         self._warmed_up = True
         return time.perf_counter() - t0
 

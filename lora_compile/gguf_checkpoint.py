@@ -52,11 +52,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        gguf = _gguf()
-        try:
-            self._reader = gguf.GGUFReader(str(self.path))
-        except (ValueError, OSError, KeyError) as e:
-            raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
+        self._open_reader = self._open_tensors = None
         self._meta: dict | None = None
         self.arch = str(self.value("general.architecture"))
         if self.arch not in ARCHITECTURES:
@@ -66,15 +62,32 @@ class GGUFCheckpoint:
         if unsupported:
             raise CheckpointError(f"{self.path}: tensor type {', '.join(unsupported)} is not supported; "
                                   f"supported: {', '.join(SUPPORTED_TYPES)}")
-        self._tensors = {t.name: t for t in self._reader.tensors}
         n_layers = int(self.value(f"{self.arch}.block_count"))
-        self._names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, self.arch.upper()), n_layers)
+        self._names = _gguf().get_tensor_name_map(getattr(_gguf().MODEL_ARCH, self.arch.upper()), n_layers)
+
+    @property
+    def _reader(self):
+        """The file's reader, opened on first use (again after a `with` block closed it)."""
+        if self._open_reader is None:
+            try:
+                self._open_reader = _gguf().GGUFReader(str(self.path))
+            except (ValueError, OSError, KeyError) as e:
+                raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
+        return self._open_reader
+
+    @property
+    def _tensors(self) -> dict:
+        if self._open_tensors is None:
+            self._open_tensors = {t.name: t for t in self._reader.tensors}
+        return self._open_tensors
 
     def __enter__(self) -> "GGUFCheckpoint":
         return self
 
     def __exit__(self, *exc) -> None:
-        pass  # the reader's memory map closes with it
+        # Loading touched every page of the file's memory map: unmapped here, not kept resident beside the copies
+        # made from it (a 4.5 GB file's pages otherwise count in the server's memory for its lifetime).
+        self._open_reader = self._open_tensors = None
 
     def value(self, key: str, default=None):
         """One key-value field (read alone: a start whose tokenizer is already derived reads no vocabulary)."""

@@ -378,15 +378,24 @@ def _with_derived_lora(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
-                 attention_backend: str = "inductor", forms: list[dict[str, quantization.WeightForm]] | None = None):
+                 attention_backend: str = "inductor", forms: list[dict[str, quantization.WeightForm]] | None = None,
+                 head_form: quantization.WeightForm = quantization.NONE,
+                 embed_form: quantization.WeightForm = quantization.NONE):
         super().__init__()
         self.config = cfg
         # Each layer's path -> quantization.WeightForm (quantization.plan; part of the saved stack's key).
         self.weight_forms = [dict(f) for f in forms] if forms else [{} for _ in range(cfg.num_hidden_layers)]
         self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped" or "masked"
         self.attention_backend = attention_backend  # compile_policy.attention_backend: "inductor" or "sdpa"
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.dtype = dtype
+        # The embeddings at full width, or kept as a GGUF's blocks (quantization.table_form): rows widened on lookup.
+        self.embed_form = embed_form
+        if embed_form.kind != "none":
+            self.embed_tokens = quantization.QuantizedEmbedding(cfg.vocab_size, cfg.hidden_size, embed_form.kind,
+                                                                embed_form.group_size, dtype, device)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            self.embed_tokens.weight.requires_grad_(False)
         # Gemma: sqrt(hidden_size) rounded to the embeddings' dtype first, as transformers multiplies them.
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).item() if cfg.family.embed_scale
                             else None)
@@ -396,10 +405,16 @@ class CausalLM(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
+        # The head at full width (tied: the embeddings), or, where quantization.table_form keeps a GGUF's blocks,
+        # as packed codes and scales instead (head_qweight, head_qscales; tied: beside the embeddings).
+        self.head_form = head_form
         self.lm_head = (
-            self.embed_tokens.weight if cfg.tie_word_embeddings
+            None if head_form.kind != "none"
+            else self.embed_tokens.weight if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
         )
+        self.register_buffer("head_qweight", None, persistent=False)
+        self.register_buffer("head_qscales", None, persistent=False)
         self.register_buffer("lm_head_packed", None, persistent=False)  # see prepack_weights
         self._run_layers = self.run_layers  # compile_policy.compile_model swaps in the compiled stack
 
@@ -413,7 +428,12 @@ class CausalLM(nn.Module):
 
     def logits(self, h: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor:
         # Only the rows that are sampled go through the (large) vocabulary projection.
-        logits = linear(self.norm(h[logits_idx]), self.lm_head, self.lm_head_packed)
+        x = self.norm(h[logits_idx])
+        if self.head_qweight is not None:
+            logits = quantization.kernel_linear(x, self.head_form.kind, self.head_qweight, self.head_qscales,
+                                                self.head_form.group_size)
+        else:
+            logits = linear(x, self.lm_head, self.lm_head_packed)
         cap = self.config.final_logit_softcapping
         return (logits if cap is None else torch.tanh(logits / cap) * cap).float()
 
@@ -442,7 +462,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LoRALinear):
                 module.prepack()
-        self.lm_head_packed = packed_gemm.prepack(self.lm_head)
+        if self.head_qweight is None:
+            self.lm_head_packed = packed_gemm.prepack(self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, ckpt: SafetensorsCheckpoint) -> None:
@@ -450,9 +471,17 @@ class CausalLM(nn.Module):
         def put(dst: torch.Tensor, name: str) -> None:
             dst.copy_(ckpt.get(name, tuple(dst.shape)))
 
-        put(self.embed_tokens.weight, "model.embed_tokens.weight")
+        shape = (self.config.vocab_size, self.config.hidden_size)
+        if self.embed_form.kind != "none":
+            self.embed_tokens.load(quantization.load(ckpt, "model.embed_tokens.weight", shape, self.embed_form))
+        else:
+            put(self.embed_tokens.weight, "model.embed_tokens.weight")
         put(self.norm.weight, "model.norm.weight")
-        if not self.config.tie_word_embeddings:
+        if self.head_form.kind != "none":
+            name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+            self.head_qweight, self.head_qscales = quantization.pack(
+                quantization.load(ckpt, name, shape, self.head_form), self.dtype, self.norm.weight.device)
+        elif not self.config.tie_word_embeddings:
             put(self.lm_head, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."

@@ -79,7 +79,7 @@ class PrecompiledStack:
         self.model, self._layer_stack, self._mark_dynamic = model, layer_stack, mark_dynamic
         self.directory = directory
         self.key = artifact_key(model)
-        self._dtype, self._width = model.embed_tokens.weight.dtype, model.embed_tokens.weight.shape[1:]
+        self._dtype, self._width = model.dtype, (model.config.hidden_size,)
         self._fns: dict[str, Callable] = {}
         self.sources: dict[str, str] = {}  # variant -> "loaded" or "compiled", for logs and tests
 

@@ -111,3 +111,30 @@ def load_gguf_reference(path: Path, adapter_dir: Path | None = None, adapter_nam
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=adapter_name)
     return model.eval()
+
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_llama_gguf(root: Path, name: str, types: dict[str, Q], *, hidden: int, intermediate: int, layers: int,
+                    seed: int, rank: int, adapter_seed: int, chat_template: str | None = None):
+    """A random tiny Llama (`root/hf`, with the demo tokenizer) written as the GGUF file `root/files/name` with
+    `types`, and a PEFT adapter of `rank` on all seven projections: (the directory, the file, the adapter)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_serve_demo import BOS_ID, EOS_ID, VOCAB_SIZE, write_demo_tokenizer
+    from tests.checkpoints import _init_weights, make_peft_adapter
+
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    model = LlamaForCausalLM(config)
+    _init_weights(model, seed=seed)
+    model.save_pretrained(root / "hf")
+    write_demo_tokenizer(root / "hf")
+    path = write_gguf(root / "hf", root / "files" / name, types, chat_template=chat_template)
+    adapter = make_peft_adapter(root / "hf", root / "adapter", r=rank, lora_alpha=2 * rank, seed=adapter_seed,
+                                target_modules=ALL_PROJECTIONS)
+    return root / "hf", path, adapter

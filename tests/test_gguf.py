@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from lora_compile import Engine, EngineConfig
 from lora_compile.errors import CheckpointError
 from lora_compile.gguf_checkpoint import GGUFCheckpoint
 from lora_compile.tokenizer import Tokenizer
-from lora_serve_demo import BOS_ID, EOS_ID, VOCAB_SIZE, write_demo_tokenizer
-from tests.checkpoints import _init_weights, greedy, make_peft_adapter
+from lora_serve_demo import EOS_ID
+from tests.checkpoints import greedy
 from tests.conftest import ENGINE_LIMITS
-from tests.gguf_files import load_gguf_reference, write_gguf
+from tests.gguf_files import load_gguf_reference, tiny_llama_gguf, write_gguf
 from tests.test_engine_golden import NEW_TOKENS, PROMPTS, run_joining
 
 # Every supported type at least once: K-quants need rows of 256 values (down_proj's input, intermediate 256).
@@ -33,19 +33,8 @@ TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(the Hugging Face directory it was written from, the GGUF file, a PEFT adapter on all seven projections)."""
-    root = tmp_path_factory.mktemp("gguf")
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
-    model = LlamaForCausalLM(config)
-    _init_weights(model, seed=5)
-    model.save_pretrained(root / "hf")
-    write_demo_tokenizer(root / "hf")
-    path = write_gguf(root / "hf", root / "files" / "tiny-llama.gguf", TYPES, chat_template=TEMPLATE)
-    adapter = make_peft_adapter(root / "hf", root / "adapter", r=4, lora_alpha=8, seed=21, target_modules=(
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-    return root / "hf", path, adapter
+    return tiny_llama_gguf(tmp_path_factory.mktemp("gguf"), "tiny-llama.gguf", TYPES, hidden=64, intermediate=256,
+                           layers=3, seed=5, rank=4, adapter_seed=21, chat_template=TEMPLATE)
 
 
 def test_every_type_is_in_the_file(tiny):

@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile import quantization as qz
-from lora_serve_demo import BOS_ID, EOS_ID, VOCAB_SIZE, write_demo_tokenizer
-from tests.checkpoints import _init_weights, greedy, make_peft_adapter
+from lora_serve_demo import VOCAB_SIZE
+from tests.checkpoints import greedy
 from tests.conftest import ENGINE_LIMITS, INDUCTOR_CACHE
-from tests.gguf_files import _k_quant_bytes, load_gguf_reference, write_gguf
+from tests.gguf_files import _k_quant_bytes, load_gguf_reference, tiny_llama_gguf
 from tests.test_engine_golden import NEW_TOKENS, PROMPTS, run_joining
 
 CPU = torch.device("cpu")
@@ -56,6 +55,27 @@ def test_gguf_blocks_are_kernel_forms_exactly(qtype):
                 got = qz.linear(x.to(dtype), qt.kind, codes, scales, qt.group_size).float()
                 error = ((got - expected).abs().max() / expected.abs().max()).item()
                 assert error <= bound, f"{qtype.name} {n} rows, {tokens} tokens, {dtype}: {error:.2e} off"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_embeddings_and_head_kept_as_blocks(qtype):
+    """An embedding table kept as blocks gives the dequantised table's rows rounded once to the activation dtype,
+    exactly; the head's product runs torch's kernel for any number of rows (here past KERNEL_MAX_TOKENS), bounded
+    as the projections' are."""
+    n, k = 256, 512
+    raw = _blocks(qtype, n, k, seed=5)
+    reference = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
+    qt = qz.from_gguf_blocks(raw, qtype.name, (n, k))
+    table = qz.QuantizedEmbedding(n, k, qt.kind, qt.group_size, torch.bfloat16, CPU)
+    table.load(qt)
+    ids = torch.tensor([[0, 255, 7], [7, 128, 1]])
+    assert torch.equal(table(ids), reference[ids].to(torch.bfloat16))
+    assert table.nbytes < n * k * 2  # under the bfloat16 table's bytes
+    codes, scales = qz.pack(qt, torch.bfloat16, CPU)
+    x = torch.randn(qz.KERNEL_MAX_TOKENS + 36, k, generator=torch.Generator().manual_seed(2))
+    expected = x @ reference.T
+    got = qz.kernel_linear(x.bfloat16(), qt.kind, codes, scales, qt.group_size).float()
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= 2e-2
 
 
 def test_quantizing_at_load_is_within_half_a_step():
@@ -93,18 +113,8 @@ EXPECTED_FORMS = [
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quantized")
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
-    model = LlamaForCausalLM(config)
-    _init_weights(model, seed=9)
-    model.save_pretrained(root / "hf")
-    write_demo_tokenizer(root / "hf")
-    path = write_gguf(root / "hf", root / "files" / "mixed.gguf", MIXED_TYPES)
-    adapter = make_peft_adapter(root / "hf", root / "adapter", r=8, lora_alpha=16, seed=4, target_modules=(
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    _, path, adapter = tiny_llama_gguf(tmp_path_factory.mktemp("quantized"), "mixed.gguf", MIXED_TYPES, hidden=256,
+                                       intermediate=512, layers=2, seed=9, rank=8, adapter_seed=4)
     return path, adapter
 
 
@@ -149,8 +159,15 @@ def test_auto_keeps_blocks_in_bfloat16_only_and_refusals_say_what_to_change(mixe
         full = Engine(EngineConfig(model=str(path), compile=False, **(ENGINE_LIMITS | dict(dtype="float32"))))
     assert not full.quantized and "weights torch.float32: dequantised (torch's weight-only kernels" in caplog.text
     assert all(p.weight is not None for layer in full.model.layers for p, _ in layer.projections())
-    held = Engine(EngineConfig(model=str(path), compile=False, **(ENGINE_LIMITS | dict(dtype="bfloat16"))))
+    with caplog.at_level(logging.INFO, logger="lora_compile.engine"):
+        held = Engine(EngineConfig(model=str(path), compile=False, **(ENGINE_LIMITS | dict(dtype="bfloat16"))))
     assert held.quantized and held.model.layers[0].self_attn.qkv_proj.quant == "int4"
+    # The embeddings' Q8_0 blocks kept (rows exactly the dequantised table's, in bfloat16); the Q6_K head widened.
+    assert "weights embeddings Q8_0: int8 groups of 32, as stored" in caplog.text
+    assert isinstance(held.model.embed_tokens, qz.QuantizedEmbedding) and held.model.head_qweight is None
+    ids = torch.arange(0, VOCAB_SIZE, 37)
+    assert torch.equal(held.model.embed_tokens(ids), full.model.embed_tokens.weight[ids].to(torch.bfloat16))
+    assert torch.equal(held.model.lm_head, full.model.lm_head.to(torch.bfloat16))
     float_checkpoint = path.parent.parent / "hf"
     for model, config, message in (
             (path, dict(quantization="fp8"), "quantization must be one of auto, none, gguf, int8, int4"),

@@ -55,9 +55,7 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
         return _halves_summed(kind, torch.ops.aten._weight_int4pack_mm(x, codes, group_size, scales))
 
     def kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        if kind == "int8" and not group_size:
-            return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
-        return _halves_summed(kind, int4_linear_cpu(x, codes, scales, group_size))
+        return kernel_linear(x, kind, codes, scales, group_size)
 
     def dense(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         if kind == "int8" and not group_size:
@@ -76,6 +74,18 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
     if torch.compiler.is_compiling():  # decided at run time, in the one graph
         return torch.cond(x.shape[0] > KERNEL_MAX_TOKENS, dense, kernel, (x, codes, scales))
     return (dense if x.shape[0] > KERNEL_MAX_TOKENS else kernel)(x, codes, scales)
+
+
+def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    """x @ w.T by torch's weight-only kernel alone, however many rows x has (the LM head: a row per sampled token,
+    where dequantising a 100k-row head for a few rows would cost more than it saves)."""
+    x = x.contiguous()
+    if x.device.type == "cuda":
+        return linear(x, kind, codes, scales, group_size)
+    if kind == "int8" and not group_size:
+        return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+    return _halves_summed(kind, int4_linear_cpu(x, codes, scales, group_size))
 
 
 def _halves_summed(kind: str, y: torch.Tensor) -> torch.Tensor:

@@ -47,14 +47,11 @@ def plan(requested: str, group_size: int, ckpt, projections: dict[str, tuple[str
     if requested == "gguf" and types is None:
         raise ValueError("quantization gguf keeps a GGUF file's blocks: the model is not a GGUF file (use int8 or "
                          "int4 to quantize a float checkpoint at load)")
+    requested = _resolved(requested, types is not None, dtype)
     notes = []
-    if requested == "auto" and types is not None:
-        if dtype in (torch.bfloat16, torch.float16):
-            requested = "gguf"
-        else:  # (no weight-only kernel is as fast as the float32 GEMM: kept at full width)
-            requested = "none"
-            notes.append(f"{dtype}: dequantised (torch's weight-only kernels run float32 several times slower than "
-                         "its float32 GEMM; --dtype bfloat16 or --quantization gguf keep the file's blocks)")
+    if requested == "none" and types is not None and dtype == torch.float32:
+        notes.append(f"{dtype}: dequantised (torch's weight-only kernels run float32 several times slower than "
+                     "its float32 GEMM; --dtype bfloat16 or --quantization gguf keep the file's blocks)")
     if requested == "int4" and group_size not in GROUP_SIZES:
         raise ValueError(f"quantization_group_size must be one of {GROUP_SIZES}, got {group_size}")
     if requested == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
@@ -76,6 +73,35 @@ def plan(requested: str, group_size: int, ckpt, projections: dict[str, tuple[str
                 by_type.setdefault(tensor_type or "float", set()).add(_describe(form, tensor_type))
     lines = [f"{tensor_type}: {', '.join(sorted(described))}" for tensor_type, described in sorted(by_type.items())]
     return forms, lines + notes
+
+
+def _resolved(requested: str, is_gguf: bool, dtype: torch.dtype) -> str:
+    """"auto" made definite: "gguf" for a GGUF file in bfloat16 or float16, else "none" (in float32 no weight-only
+    kernel of torch's is as fast as its float32 GEMM, and a float checkpoint stays as it is)."""
+    if requested != "auto":
+        return requested
+    return "gguf" if is_gguf and dtype in (torch.bfloat16, torch.float16) else "none"
+
+
+def table_form(requested: str, ckpt, name: str, what: str, hidden_size: int, device: torch.device,
+               dtype: torch.dtype) -> tuple[WeightForm, list[str]]:
+    """The form of the embeddings ("model.embed_tokens.weight") or the LM head ("lm_head.weight"; tied: the
+    embeddings' tensor), and its start-log line (naming it `what`): a GGUF file's blocks as stored where the projections' are kept
+    ("gguf", or "auto" in bfloat16/float16) and their type is one (Q4_0/Q4_1/Q4_K as int4, Q8_0/Q5 as int8 groups
+    of 32), else full width. At 8B shapes each is 1 GB of bfloat16, the head read by every step."""
+    types = getattr(ckpt, "tensor_type", None)
+    if types is None or _resolved(requested, True, dtype) not in ("gguf", "int8", "int4"):
+        return NONE, []
+    if hidden_size % GGUF_GROUP or dtype == torch.float32 or (device.type == "cuda" and dtype != torch.bfloat16):
+        return NONE, []  # (float32: torch's weight-only kernels are slower than the GEMM there; kernels.linear)
+    tensor_type = types(name)
+    if tensor_type in EXACT_INT4_TYPES:
+        form = WeightForm("int4", GGUF_GROUP)
+    elif tensor_type in EXACT_INT8_TYPES:
+        form = WeightForm("int8", GGUF_GROUP)
+    else:
+        return NONE, []
+    return form, [f"{what} {tensor_type}: {_describe(form, tensor_type)}"]
 
 
 def _form(requested: str, group_size: int, tensor_types: set[str | None]) -> WeightForm:
