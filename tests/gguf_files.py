@@ -138,3 +138,22 @@ def tiny_llama_gguf(root: Path, name: str, types: dict[str, Q], *, hidden: int, 
     adapter = make_peft_adapter(root / "hf", root / "adapter", r=rank, lora_alpha=2 * rank, seed=adapter_seed,
                                 target_modules=ALL_PROJECTIONS)
     return root / "hf", path, adapter
+
+
+def assert_batch_equals_reference(engine, path: Path, adapter: Path, name: str = "all7") -> None:
+    """Base and adapter `name` (registered) in one batch over the golden prompts: the engine's greedy tokens and
+    logits equal transformers' GGUF loading of `path` (+ peft with `adapter`)."""
+    import torch
+
+    from tests.checkpoints import greedy
+    from tests.test_engine_golden import NEW_TOKENS, PROMPTS, run_joining
+
+    mixed = [None, name, None, name]
+    tokens, logits = run_joining(engine, PROMPTS, adapters=mixed)
+    references = {None: load_gguf_reference(path), name: load_gguf_reference(path, adapter)}
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = greedy(references[mixed[i]], prompt, NEW_TOKENS)
+        assert len(set(ref_tokens)) > 4, "degenerate reference: the test would prove nothing"
+        assert tokens[i] == ref_tokens, f"sequence {i} ({mixed[i]}) differs from transformers' GGUF loading + peft"
+        torch.testing.assert_close(logits[i], ref_logits, atol=2e-3, rtol=1e-3)
+    assert tokens[0] != tokens[1] or tokens[2] != tokens[3]  # the adapter changes the output
