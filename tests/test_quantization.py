@@ -22,7 +22,7 @@ from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile import quantization as qz
 from lora_serve_demo import VOCAB_SIZE
 from tests.conftest import ENGINE_LIMITS, INDUCTOR_CACHE
-from tests.gguf_files import _k_quant_bytes, assert_batch_equals_reference, tiny_llama_gguf
+from tests.gguf_files import _k_quant_bytes, assert_batch_equals_reference, load_gguf_reference, tiny_llama_gguf
 
 CPU = torch.device("cpu")
 
