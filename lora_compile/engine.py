@@ -91,15 +91,16 @@ class Engine:
                                                  *projection_tensors(mc), self.device, self.dtype)
             for line in described:
                 log.info("weights %s", line)
-            embed = "model.embed_tokens.weight"
-            tables = [quantization.table_form(config.quantization, ckpt, name, what, mc.hidden_size, self.device,
-                                              self.dtype)
-                      for name, what in ((embed, "embeddings"), (embed, "head (tied)") if mc.tie_word_embeddings
-                                         else ("lm_head.weight", "head"))]
-            for line in tables[0][1] + tables[1][1]:
+            embed, tied = "model.embed_tokens.weight", mc.tie_word_embeddings
+            embed_form, embed_lines = quantization.table_form(config.quantization, ckpt, embed, "embeddings",
+                                                              mc.hidden_size, self.device, self.dtype)
+            head_form, head_lines = quantization.table_form(
+                config.quantization, ckpt, embed if tied else "lm_head.weight", "head (tied)" if tied else "head",
+                mc.hidden_size, self.device, self.dtype)
+            for line in embed_lines + head_lines:
                 log.info("weights %s", line)
             self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
-                                  self.lora_kernel, self.attention_backend, forms, tables[1][0], tables[0][0])
+                                  self.lora_kernel, self.attention_backend, forms, head_form, embed_form)
             self.model.load_weights(ckpt)
         heap.release_free_memory()  # (loading's temporaries: docs/operations.md, quantized weights)
         self.quantized = any(form.kind != "none" for layer in forms for form in layer.values())
