@@ -19,7 +19,7 @@ from lora_serve_demo import default_cache_dir, write_demo_tokenizer
 
 # SmolLM2-135M's shape (random weights: no hub access here, and speed does not depend on the values).
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
                     rms_norm_eps=1e-5, tie_word_embeddings=True)
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -67,7 +67,11 @@ def smollm2_dequantised(root: Path | None = None) -> Path:
 def random_checkpoint(name: str, shape: dict, dtype: torch.dtype = torch.float32, root: Path | None = None) -> Path:
     """A Llama checkpoint of `shape` (a config.json's sizes) with seeded random weights, written once under root."""
     out = (root or default_cache_dir() / "bench") / name
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": 1, "eos_token_id": 2, **shape}
     if (out / "model.safetensors").is_file():
+        if json.loads((out / "config.json").read_text()) != config:  # a size the weights do not depend on changed
+            (out / "config.json").write_text(json.dumps(config))
         return out
     out.mkdir(parents=True, exist_ok=True)
     c = shape
@@ -93,9 +97,7 @@ def random_checkpoint(name: str, shape: dict, dtype: torch.dtype = torch.float32
             p + "input_layernorm.weight": ones.clone(), p + "post_attention_layernorm.weight": ones.clone(),
         }
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                 "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": 1,
-                                                 "eos_token_id": 2, **c}))
+    (out / "config.json").write_text(json.dumps(config))
     write_demo_tokenizer(out)  # ids stay below the vocabulary; the text is irrelevant here
     return out
 

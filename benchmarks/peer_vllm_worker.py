@@ -6,7 +6,8 @@ per line; d: from the moment every sequence had its first token to the last toke
 timestamps (request stats on), so decode speed comes from the same run as the tokens.
 A command with "times" (seconds from its start, ascending) instead adds each request at its time to the engine
 (LLMEngine.add_request between steps, as benchmarks.common.replay admits) and writes {"ttft": [s per request, from
-its arrival], "cached_tokens": n, "prompt_tokens": m} (cached: vLLM's prefix-cache hits). {"reset_prefix_cache":
+its arrival], "cached_tokens": n, "prompt_tokens": m, "token_times": [[s from the start, per token] per request]}
+(cached: vLLM's prefix-cache hits). {"reset_prefix_cache":
 true} forgets the prefix cache ({"reset": ok}).
 argv: model directory, adapter root, "lora" or "base", and optionally max_model_len (default 512) and the dtype
 (default float32).
@@ -23,6 +24,7 @@ def replay(llm: LLM, prompts, requests, params, times) -> dict:
     engine = llm.llm_engine
     index: dict[str, int] = {}
     ttft: list[float | None] = [None] * len(prompts)
+    token_times: list[list[float]] = [[] for _ in prompts]  # when each of a request's tokens came out
     cached, arrived = 0, 0
     t0 = time.perf_counter()
     while arrived < len(prompts) or engine.has_unfinished_requests():
@@ -35,11 +37,14 @@ def replay(llm: LLM, prompts, requests, params, times) -> dict:
             arrived += 1
         for out in engine.step():
             i = index[out.request_id]
+            now = time.perf_counter() - t0
+            if out.outputs:
+                token_times[i] += [now] * (len(out.outputs[0].token_ids) - len(token_times[i]))
             if ttft[i] is None and out.outputs and out.outputs[0].token_ids:
-                ttft[i] = time.perf_counter() - t0 - times[i]
+                ttft[i] = now - times[i]
             if out.finished:
                 cached += out.num_cached_tokens or 0
-    return {"ttft": ttft, "cached_tokens": cached,
+    return {"ttft": ttft, "cached_tokens": cached, "token_times": token_times,
             "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts)}
 
 

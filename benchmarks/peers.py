@@ -167,7 +167,8 @@ class VllmWorker:
         return json.loads(line)
 
     def replay(self, prompts, adapters, max_tokens, times) -> dict:
-        """The requests added at `times` (peer_vllm_worker.replay): {"ttft", "cached_tokens", "prompt_tokens"}."""
+        """The requests added at `times` (peer_vllm_worker.replay): {"ttft", "cached_tokens", "prompt_tokens",
+        "token_times"}."""
         return self._ask({"prompts": prompts, "adapters": adapters, "max_tokens": max_tokens, "times": times}, "ttft")
 
     def reset_prefix_cache(self) -> None:

@@ -1,5 +1,6 @@
 """Attention over the paged KV cache through torch's scaled_dot_product_attention (EngineConfig.attention_backend
-"sdpa", CUDA's default: compile_policy.attention_backend).
+"sdpa"; by default prompt chunks on every device and decode on CUDA: compile_policy.attention_backend and
+prefill_attention_backend). On the CPU torch runs it in its flash kernel for the CPU.
 
 Each sequence's keys and values are gathered through its block table into (B, Hkv, S, D) (one copy each, which
 Inductor fuses with the gather and the zeroing of stale rows), and the query heads of one KV head are the query
@@ -45,25 +46,40 @@ def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
     return out.reshape(batch, n_heads * head_dim)
 
 
+def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(B, S): the row of the flattened KV pool that holds key position key_pos[s] of sequence b. Compiled, this
+    is index arithmetic inside the attention reductions' loads, not a tensor."""
+    return block_table[:, key_pos // block_size] * block_size + key_pos % block_size
+
+
+def prefill_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, group: int,
+                 sliding_window: int | torch.Tensor | None) -> torch.Tensor:
+    """(B, 1, L*group, S) bool: which keys each query row of sdpa_prefill sees; rows (l, g) are token l's query
+    head g of a KV head, and each sees what its token sees."""
+    batch, length = q_pos.shape
+    s = key_pos.shape[0]
+    visible = key_pos[None, None, :] <= q_pos[:, :, None]  # (B, L, S)
+    if sliding_window is not None:
+        visible = visible & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+    return visible[:, None, :, None, :].expand(batch, 1, length, group, s).reshape(batch, 1, length * group, s)
+
+
 def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_idx: torch.Tensor,
                  q_pos: torch.Tensor, rows: torch.Tensor, key_pos: torch.Tensor, scale: float,
-                 sliding_window: int | torch.Tensor | None) -> torch.Tensor:
+                 sliding_window: int | torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query block (B, L) over its keys key_pos (S,) (rows (B, S): where each
-    lives in the pool); q (T, H, D). Returns (B*L, H*D), as model.attend does."""
+    lives in the pool); q (T, H, D). `mask`: prefill_mask's as additive scores, derived once per step
+    (AttentionMetadata.derive_prefill), else made here. Returns (B*L, H*D), as model.attend does."""
     batch, length = token_idx.shape
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
-    s = key_pos.shape[0]
     keep = key_pos[None, :] <= q_pos.amax(dim=1)[:, None]  # (B, S): up to the sequence's last query
     k, v = _gather(k_cache, rows, keep, q.dtype), _gather(v_cache, rows, keep, q.dtype)
-    visible = key_pos[None, None, :] <= q_pos[:, :, None]  # (B, L, S)
-    if sliding_window is not None:
-        visible = visible & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
-    # Query rows (l, g): token l's query head g of the KV head; each sees what its token sees.
     qb = q[token_idx.reshape(-1)].view(batch, length, n_kv, group, head_dim)
     qb = qb.permute(0, 2, 1, 3, 4).reshape(batch, n_kv, length * group, head_dim)
-    mask = visible[:, None, :, None, :].expand(batch, 1, length, group, s).reshape(batch, 1, length * group, s)
+    if mask is None:
+        mask = prefill_mask(q_pos, key_pos, group, sliding_window)
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
     out = out.view(batch, n_kv, length, group, head_dim)
     return out.permute(0, 2, 1, 3, 4).reshape(batch * length, n_heads * head_dim)

@@ -33,6 +33,18 @@ class Planned:
         return self.start + self.length == self.seq.num_tokens
 
 
+def attention_rows(chunks: list[Planned]) -> list[Planned]:
+    """The prefill group's rows: one per chunk, but a lone chunk as its two halves. The group has at least two
+    rows (compile_policy: no 0/1 specialisation), all as wide as the longest, and a padding row costs attention
+    as much as a real one: a lone 256-token chunk attended 2 x 256 queries. As halves it attends 2 x 128 (the
+    second half reads the first's keys, written earlier in the same step)."""
+    if len(chunks) != 1 or chunks[0].length < 2:
+        return chunks
+    p = chunks[0]
+    half = (p.length + 1) // 2
+    return [Planned(p.seq, p.start, half), Planned(p.seq, p.start + half, p.length - half)]
+
+
 @dataclass
 class StepInputs:
     """One step's device inputs (views into the metadata buffer) and the sequences it samples."""
@@ -274,13 +286,14 @@ class BatchInit:
         dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
         dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)
         dec_keys = max(2, max(dec_pos) + 1)
-        width = max([2] + [p.length for p in chunks])
-        n_rows = max(2, len(chunks))
+        rows = attention_rows(chunks)
+        width = max([2] + [p.length for p in rows])
+        n_rows = max(2, len(rows))
         pre_idx, pre_pos, out_idx = [], [], list(range(n_single))
         offset = n_single
         for row in range(n_rows):
-            if row < len(chunks):
-                p = chunks[row]
+            if row < len(rows):
+                p = rows[row]
                 pre_idx += list(range(offset, offset + p.length)) + [dummy] * (width - p.length)
                 pre_pos += list(range(p.start, p.start + p.length)) + [0] * (width - p.length)
                 out_idx += range(len(dec_idx) + row * width, len(dec_idx) + row * width + p.length)
@@ -318,7 +331,7 @@ class BatchInit:
         start = 0
         for name, c in columns.items():
             if name == "prefill_block_table":
-                self._fill_table(start, [p.seq for p in chunks], n_rows, pre_width)
+                self._fill_table(start, [p.seq for p in rows], n_rows, pre_width)
             elif name == "decode_block_table":
                 self._fill_table(start, [p.seq for p in single], len(dec_idx), dec_width)
             else:

@@ -218,6 +218,19 @@ def attention_backend(requested: str, device: torch.device, softcap: float | Non
     return "sdpa" if device.type == "cuda" and softcap is None else "inductor"
 
 
+def prefill_attention_backend(requested: str, softcap: float | None) -> str:
+    """How a step's prompt chunks attend (decided here and only here; attention_backend decides decode).
+
+    "auto": "sdpa" on every device: torch's fused attention (its flash kernel for the CPU) over K/V gathered per
+    sequence. On the CPU the generated reductions materialise every (query, key) score in float32 and run the
+    products as bmm calls: a 1,000-token prompt took 2.2x sdpa's time to first token, a 4,000-token one 3.6x
+    (bfloat16, a Xeon with AMX: python -m benchmarks.prefill, docs/benchmarks.md); decode keeps them (one query
+    a sequence, where they measured faster). Soft-capped scores have no SDPA form; an explicit backend holds for both phases."""
+    if requested != "auto":
+        return requested
+    return "inductor" if softcap is not None else "sdpa"
+
+
 def steady_state(enabled: bool):
     """Context for steps after warm-up."""
     return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()

@@ -86,6 +86,8 @@ class Engine:
                                                       config.compile)
         self.attention_backend = compile_policy.attention_backend(config.attention_backend, self.device,
                                                                   mc.attn_logit_softcapping)
+        self.prefill_backend = compile_policy.prefill_attention_backend(config.attention_backend,
+                                                                        mc.attn_logit_softcapping)
         with source.open_checkpoint() as ckpt:
             forms, described = quantization.plan(config.quantization, config.quantization_group_size, ckpt,
                                                  *projection_tensors(mc), self.device, self.dtype)
@@ -100,7 +102,8 @@ class Engine:
             for line in embed_lines + head_lines:
                 log.info("weights %s", line)
             self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
-                                  self.lora_kernel, self.attention_backend, forms, head_form, embed_form)
+                                  self.lora_kernel, self.attention_backend, forms, head_form, embed_form,
+                                  self.prefill_backend)
             self.model.load_weights(ckpt)
         heap.release_free_memory()  # (loading's temporaries: docs/operations.md, quantized weights)
         self.quantized = any(form.kind != "none" for layer in forms for form in layer.values())

@@ -10,7 +10,7 @@ from . import compile_policy, packed_gemm, quantization
 from .checkpoint import SafetensorsCheckpoint
 from .config import ModelConfig
 from .forward_batch import PLACEHOLDER_KEYS, AttentionMetadata, ForwardBatch
-from .attention_sdpa import sdpa_decode, sdpa_prefill
+from .attention_sdpa import kv_rows, sdpa_decode, sdpa_prefill
 from .layers import LoRALinear, RMSNorm, apply_rotary
 from .model_families import LORA_TARGETS, UNFUSED  # noqa: F401 (LORA_TARGETS: re-exported)
 from .packed_gemm import linear
@@ -57,12 +57,6 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
                       block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS,
                       b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes),
                       quant=form.kind, group_size=form.group_size)
-
-
-def kv_rows(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(B, S): the row of the flattened KV pool that holds key position key_pos[s] of sequence b. Compiled, this
-    is index arithmetic inside the attention reductions' loads, not a tensor."""
-    return block_table[:, key_pos // block_size] * block_size + key_pos % block_size
 
 
 def attend(
@@ -177,6 +171,9 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     and its softmax cost 1-7 % of a batch-8 decode step (paired processes). On CUDA a decode step replays a graph,
     where they cost little, and the graphs' tested form stays."""
     args = (q, k_cache, v_cache, md.prefill_token_idx, md.prefill_q_pos, md.prefill_block_table, md.prefill_key_pos)
+    # Derived once per step (AttentionMetadata.derive_prefill) where no layer has a window: operands too.
+    derived = sdpa and sliding_window is None and md.prefill_mask is not None
+    args += (md.prefill_kv_rows, md.prefill_mask) if derived else ()
     # A per-layer window tensor is an operand of torch.cond's branches, not a value they close over.
     window = isinstance(sliding_window, torch.Tensor)
     args += (sliding_window,) if window else ()
@@ -188,9 +185,9 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         # call, which a mixed step's small chunks pay; 32 16-token prompts prefill within noise either way.
         tensors, w = (tensors[:-1], tensors[-1]) if window else (tensors, sliding_window)
         if sdpa:
-            q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos = tensors
-            rows = kv_rows(block_table, key_pos, k_cache.shape[1])
-            return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w)
+            q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, *given = tensors
+            rows, mask = given if derived else (kv_rows(block_table, key_pos, k_cache.shape[1]), None)
+            return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w, mask)
         return attend(*tensors, scale, w, float32=cpu, softcap=softcap)
 
     if not skip:
@@ -205,9 +202,11 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
                  index: int = 0, attention_backend: str = "inductor",
-                 forms: dict[str, quantization.WeightForm] | None = None):
+                 forms: dict[str, quantization.WeightForm] | None = None, prefill_backend: str | None = None):
         super().__init__()
-        self.sdpa = attention_backend == "sdpa"  # compile_policy.attention_backend: torch's fused kernels
+        # compile_policy.attention_backend / prefill_attention_backend: torch's fused kernels, per phase
+        self.sdpa = attention_backend == "sdpa"
+        self.prefill_sdpa = (prefill_backend or attention_backend) == "sdpa"
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.scale = cfg.attention_scale
@@ -278,7 +277,7 @@ class Attention(nn.Module):
                             md.decode_block_table, md.decode_key_pos, self.scale, window,
                             softcap=self.softcap)
         prefill = attend_prefill(q, self.k_cache, self.v_cache, md, self.scale, window, fb.compiled,
-                                 self.softcap, self.sdpa)
+                                 self.softcap, self.prefill_sdpa)
         out = torch.cat([decode, prefill], dim=0)[md.out_idx]
         return self.o_proj(out, fb.lora, fb.compiled)
 
@@ -302,14 +301,15 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
                  index: int = 0, attention_backend: str = "inductor",
-                 forms: dict[str, quantization.WeightForm] | None = None):
+                 forms: dict[str, quantization.WeightForm] | None = None, prefill_backend: str | None = None):
         super().__init__()
         self.table = cfg.family.projections
         # Layers whose projections hold their weights in other forms (quantization.plan) trace to other graphs.
         self.form_key = quantization.form_key(forms or {})
         norm = (cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
         self.input_layernorm = RMSNorm(*norm)
-        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel, index, attention_backend, forms)
+        self.self_attn = Attention(cfg, max_loras, max_rank, dtype, device, lora_kernel, index, attention_backend, forms,
+                                   prefill_backend)
         self.post_attention_layernorm = RMSNorm(*norm)
         self.mlp = MLP(cfg, max_loras, max_rank, dtype, device, lora_kernel, forms)
         # Gemma's: post_attention_layernorm normalises the attention's output, these the MLP's input and output.
@@ -369,10 +369,13 @@ def layer_by_layer(model: CausalLM, compiled_layer, h: torch.Tensor, fb: Forward
 
 
 def _with_derived_lora(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
-    """fb with what the model's LoRA kernel reads derived on the device (LoRABatch.derive): once per step, not per
-    layer, since every layer's kernels read the same segments or mask."""
+    """fb with what the model's LoRA kernel (LoRABatch.derive) and prefill attention (AttentionMetadata
+    .derive_prefill) read derived on the device: once per step, not per layer, since every layer reads the same."""
     if model.lora_kernel in compile_policy.GEMM_KERNELS and fb.lora.weight_indices is not None:
         fb.lora = fb.lora.derive(model.lora_kernel, model.layers[0].mlp.down_proj.max_loras + 1)
+    attn = model.layers[0].self_attn
+    if model.prefill_backend == "sdpa" and not model.sliding:
+        fb.attn = fb.attn.derive_prefill(attn.n_heads // attn.n_kv, attn.k_cache.shape[1], model.dtype)
     return fb
 
 
@@ -380,13 +383,14 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
                  attention_backend: str = "inductor", forms: list[dict[str, quantization.WeightForm]] | None = None,
                  head_form: quantization.WeightForm = quantization.NONE,
-                 embed_form: quantization.WeightForm = quantization.NONE):
+                 embed_form: quantization.WeightForm = quantization.NONE, prefill_backend: str | None = None):
         super().__init__()
         self.config = cfg
         # Each layer's path -> quantization.WeightForm (quantization.plan; part of the saved stack's key).
         self.weight_forms = [dict(f) for f in forms] if forms else [{} for _ in range(cfg.num_hidden_layers)]
         self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped" or "masked"
         self.attention_backend = attention_backend  # compile_policy.attention_backend: "inductor" or "sdpa"
+        self.prefill_backend = prefill_backend or attention_backend  # compile_policy.prefill_attention_backend
         self.dtype = dtype
         # The embeddings at full width, or kept as a GGUF's blocks (quantization.table_form): rows widened on lookup.
         self.embed_form = embed_form
@@ -401,9 +405,11 @@ class CausalLM(nn.Module):
                             else None)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, max_loras, max_rank, dtype, device, lora_kernel, i, attention_backend,
-                         self.weight_forms[i])
+                         self.weight_forms[i], self.prefill_backend)
             for i in range(cfg.num_hidden_layers)
         )
+        # Whether some layer attends within a window (its prefill mask is its own, not the step's).
+        self.sliding = any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.family.norm_offset)
         # The head at full width (tied: the embeddings), or, where quantization.table_form keeps a GGUF's blocks,
         # as packed codes and scales instead (head_qweight, head_qscales; tied: beside the embeddings).

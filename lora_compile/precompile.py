@@ -44,7 +44,7 @@ def artifact_key(model: torch.nn.Module) -> str:
 
     h = hashlib.sha256()
     h.update(f"{torch.__version__} {sys.version_info[:3]} {model.config!r} {model.lora_kernel} "
-             f"{model.attention_backend} {model.weight_forms!r}".encode())
+             f"{model.attention_backend} {model.prefill_backend} {model.weight_forms!r}".encode())
     # What Inductor's own cache keys on besides the graph: its settings, threads (OpenMP team sizes are written
     # into the generated code), deterministic algorithms.
     h.update(repr(sorted(inductor_config.save_config_portable().items())).encode())

@@ -151,8 +151,8 @@ def serve_parser() -> argparse.ArgumentParser:
                    choices=GROUP_SIZES, help="int4: weights per scale and zero (default: %(default)s)")
     p.add_argument("--attention-backend", default=engine_defaults["attention_backend"], choices=ATTENTION_BACKENDS,
                    help="how attention reads the paged KV cache: torch's fused scaled_dot_product_attention over K/V "
-                        "gathered per sequence (sdpa, CUDA's) or Inductor's generated reductions (inductor, the "
-                        "CPU's); auto picks by device (default: %(default)s)")
+                        "gathered per sequence (sdpa) or Inductor's generated reductions (inductor); auto: sdpa for "
+                        "prompt chunks, and for decode on CUDA, inductor for decode on the CPU (default: %(default)s)")
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="CPU float32: keep MKL GEMMs on the plain weights (saves a second copy of the weights in "
                         "memory; slower decode)")

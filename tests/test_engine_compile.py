@@ -85,6 +85,23 @@ def test_recompile_would_be_caught(compiled_engines, bad):
         engine.release(seq)
 
 
+def test_a_lone_prompt_chunk_attends_as_two_halves(compiled_engines):
+    """The prefill group has at least two rows, each as wide as the longest: a lone chunk is laid out as its two
+    halves (batch_init.attention_rows), not as itself beside a padding row that costs as much attention. The
+    golden tests check the tokens of every lone prompt, which all take this layout."""
+    engine = compiled_engines("llama")
+    seq = Sequence(1, list(range(3, 12)), SamplingParams(max_new_tokens=2, ignore_eos=True))  # 9 tokens
+    assert engine.try_admit(seq)
+    try:
+        md = engine.batch_init.build(*engine.batch_init.plan([seq])).attn
+        assert md.prefill_q_pos.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 0]]
+        # the step's tokens in order, then the dummy token (index 9) that pads the second half
+        assert md.prefill_token_idx.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+        assert md.prefill_block_table[0].tolist() == md.prefill_block_table[1].tolist()  # one sequence's table
+    finally:
+        engine.release(seq)
+
+
 def test_a_second_start_loads_the_saved_stack(compiled_engines, models, adapters):
     """A second engine with the same model and limits loads both graph variants from the cache directory (no
     tracing) and generates the same tokens as the first, and as one whose stack torch.compile traces at start."""
@@ -166,29 +183,32 @@ def test_long_prompt_is_chunked_while_others_decode(compiled_engines):
 
 
 def test_decode_steps_skip_the_placeholder_prefill_group(compiled_engines):
-    """Compiled on CPU, a decode-only step runs no prefill attention (its group is a placeholder: no bmm), while
-    steps with prefill chunks, mixed with decodes or not, run it in every layer (the golden tests check tokens)."""
+    """Compiled on CPU, a decode-only step runs no prefill attention (its group is a placeholder: no attention
+    kernel), while steps with prefill chunks, mixed with decodes or not, run it in every layer (the golden tests
+    check tokens). Prefill attends through torch's fused CPU attention (compile_policy.prefill_attention_backend)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = compiled_engines("llama")
     layers = engine.model.config.num_hidden_layers
 
-    def bmm_calls(running: list[Sequence]) -> int:
+    assert engine.prefill_backend == "sdpa"
+
+    def attention_calls(running: list[Sequence]) -> int:  # (the fused attention kernel: once a layer)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.step(running)
-        return sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu")
 
     running = [Sequence(i, [3 + i, 4, 5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True)) for i in range(2)]
     for seq in running:
         assert engine.try_admit(seq)
     try:
-        assert bmm_calls(running) == 2 * layers  # prefill only
-        assert bmm_calls(running) == 0  # decode only: skipped
+        assert attention_calls(running) == layers  # prefill only
+        assert attention_calls(running) == 0  # decode only: skipped
         late = Sequence(5, [9, 8, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
         assert engine.try_admit(late)
         running.append(late)
-        assert bmm_calls(running) == 2 * layers  # decodes beside a prefill chunk
-        assert bmm_calls(running) == 0
+        assert attention_calls(running) == layers  # decodes beside a prefill chunk
+        assert attention_calls(running) == 0
     finally:
         for seq in running:
             engine.release(seq)

@@ -94,6 +94,10 @@ def test_attention_backend_policy():
     assert compile_policy.attention_backend("sdpa", cpu, None) == "sdpa"  # asked for: any device
     with pytest.raises(ValueError, match="soft-cap"):
         compile_policy.attention_backend("sdpa", cuda, 50.0)
+    # prompt chunks: torch's fused attention on every device unless soft-capped or asked otherwise
+    assert compile_policy.prefill_attention_backend("auto", None) == "sdpa"
+    assert compile_policy.prefill_attention_backend("auto", 50.0) == "inductor"
+    assert compile_policy.prefill_attention_backend("inductor", None) == "inductor"
 
 
 @pytest.mark.parametrize("kernel", ["grouped", "masked"])
