@@ -66,20 +66,24 @@ def prefill_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, group: int,
 
 def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_idx: torch.Tensor,
                  q_pos: torch.Tensor, rows: torch.Tensor, key_pos: torch.Tensor, scale: float,
-                 sliding_window: int | torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                 sliding_window: int | torch.Tensor | None, mask: torch.Tensor | None = None,
+                 float32: bool = False) -> torch.Tensor:
     """Causal attention of each sequence's query block (B, L) over its keys key_pos (S,) (rows (B, S): where each
     lives in the pool); q (T, H, D). `mask`: prefill_mask's as additive scores, derived once per step
-    (AttentionMetadata.derive_prefill), else made here. Returns (B*L, H*D), as model.attend does."""
+    (AttentionMetadata.derive_prefill), else made here as booleans. Returns (B*L, H*D), as model.attend does."""
     batch, length = token_idx.shape
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     keep = key_pos[None, :] <= q_pos.amax(dim=1)[:, None]  # (B, S): up to the sequence's last query
-    k, v = _gather(k_cache, rows, keep, q.dtype), _gather(v_cache, rows, keep, q.dtype)
-    qb = q[token_idx.reshape(-1)].view(batch, length, n_kv, group, head_dim)
+    dtype = torch.float32 if float32 else q.dtype  # (compile_policy.prefill_attention_float32)
+    k, v = _gather(k_cache, rows, keep, dtype), _gather(v_cache, rows, keep, dtype)
+    qb = q[token_idx.reshape(-1)].to(dtype).view(batch, length, n_kv, group, head_dim)
     qb = qb.permute(0, 2, 1, 3, 4).reshape(batch, n_kv, length * group, head_dim)
     if mask is None:
         mask = prefill_mask(q_pos, key_pos, group, sliding_window)
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+    elif mask.dtype != dtype:  # (additive scores: 0 and -inf are exact in any float dtype)
+        mask = mask.to(dtype)
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale).to(q.dtype)
     out = out.view(batch, n_kv, length, group, head_dim)
     return out.permute(0, 2, 1, 3, 4).reshape(batch * length, n_heads * head_dim)

@@ -46,8 +46,9 @@ class AttentionMetadata:
 
     def derive_prefill(self, group: int, block_size: int, dtype: torch.dtype) -> AttentionMetadata:
         """This metadata with the prefill group's pool rows and causal mask (attention_sdpa.prefill_mask), for
-        query heads in groups of `group` per KV head. The mask is additive, in the activations' dtype: SDPA turns
-        a boolean one into that form on every call, which was most of a layer's own time at 4,000 keys."""
+        query heads in groups of `group` per KV head. The mask is additive, in the dtype attention computes in
+        (compile_policy.prefill_attention_float32): SDPA turns a boolean one into that form on every call, which
+        was most of a layer's own time at 4,000 keys."""
         from .attention_sdpa import kv_rows, prefill_mask
         rows = kv_rows(self.prefill_block_table, self.prefill_key_pos, block_size)
         visible = prefill_mask(self.prefill_q_pos, self.prefill_key_pos, group, None)

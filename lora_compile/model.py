@@ -187,7 +187,8 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if sdpa:
             q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, *given = tensors
             rows, mask = given if derived else (kv_rows(block_table, key_pos, k_cache.shape[1]), None)
-            return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w, mask)
+            return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w, mask,
+                                compile_policy.prefill_attention_float32(q.device, compiled))
         return attend(*tensors, scale, w, float32=cpu, softcap=softcap)
 
     if not skip:
@@ -375,7 +376,9 @@ def _with_derived_lora(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
         fb.lora = fb.lora.derive(model.lora_kernel, model.layers[0].mlp.down_proj.max_loras + 1)
     attn = model.layers[0].self_attn
     if model.prefill_backend == "sdpa" and not model.sliding:
-        fb.attn = fb.attn.derive_prefill(attn.n_heads // attn.n_kv, attn.k_cache.shape[1], model.dtype)
+        float32 = compile_policy.prefill_attention_float32(attn.k_cache.device, torch.compiler.is_compiling())
+        dtype = torch.float32 if float32 else model.dtype
+        fb.attn = fb.attn.derive_prefill(attn.n_heads // attn.n_kv, attn.k_cache.shape[1], dtype)
     return fb
 
 
