@@ -223,9 +223,10 @@ def prefill_attention_backend(requested: str, softcap: float | None) -> str:
 
     "auto": "sdpa" on every device: torch's fused attention (its flash kernel for the CPU) over K/V gathered per
     sequence. On the CPU the generated reductions materialise every (query, key) score in float32 and run the
-    products as bmm calls: a 1,000-token prompt took 2.2x sdpa's time to first token, a 4,000-token one 3.6x
+    products as bmm calls: a 1,000-token prompt took 1.8x sdpa's time to first token, a 4,000-token one 2.1x
     (bfloat16, a Xeon with AMX: python -m benchmarks.prefill, docs/benchmarks.md); decode keeps them (one query
-    a sequence, where they measured faster). Soft-capped scores have no SDPA form; an explicit backend holds for both phases."""
+    a sequence, where they measured faster). Soft-capped scores have no SDPA form; an explicit backend holds for
+    both phases."""
     if requested != "auto":
         return requested
     return "inductor" if softcap is not None else "sdpa"
@@ -236,8 +237,8 @@ def prefill_attention_float32(device: torch.device, compiled: bool) -> bool:
     CPU, as its generated reductions did (eager keeps the activations' dtype, as transformers computes: the eager
     bfloat16 tests compare tokens with it). torch's CPU flash kernel in bfloat16 rounds the probabilities to bfloat16
     before P·V, and the demo's bfloat16 answer to its README question turned from Paris to another; in float32 it
-    answers Paris, and no slower (1,000- and 4,000-token prompts 0.36 s and 2.03 s against 0.37 s and 2.12 s,
-    bfloat16 weights, a Xeon with AMX)."""
+    answers Paris. The cost, bf16 weights on a Xeon with AMX: 1,000- and 4,000-token prompts' first tokens took
+    1.26x and 1.71x the bfloat16 kernel's time (two runs of python -m benchmarks.prefill, docs/benchmarks.md)."""
     return compiled and device.type == "cpu"
 
 
