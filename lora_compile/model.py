@@ -346,7 +346,7 @@ def layer_stack(model: CausalLM, h: torch.Tensor, *batch: torch.Tensor | None) -
     compiling = torch.compiler.is_compiling()  # the model's one question; the answer travels in ForwardBatch.compiled
     if compiling:
         batch = compile_policy.unaliased(batch)
-    fb = _with_derived_lora(model, ForwardBatch.from_flat(batch))
+    fb = _with_derived(model, ForwardBatch.from_flat(batch))
     if not compiling:
         for layer in model.layers:
             h = layer.forward(h, fb)
@@ -361,7 +361,7 @@ def layer_by_layer(model: CausalLM, compiled_layer, h: torch.Tensor, fb: Forward
     """Every decoder layer over h, each a call of `compiled_layer` (decoder_layer compiled as a frame of its own:
     compile_policy.compile_each_layer); `mark_dynamic(h, fb)` marks the frame's step-varying dims, the derived
     LoRA fields' too."""
-    fb = _with_derived_lora(model, fb)
+    fb = _with_derived(model, fb)
     mark_dynamic(h, fb)
     batch = fb.flat()
     for layer in model.layers:
@@ -369,7 +369,7 @@ def layer_by_layer(model: CausalLM, compiled_layer, h: torch.Tensor, fb: Forward
     return h
 
 
-def _with_derived_lora(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
+def _with_derived(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
     """fb with what the model's LoRA kernel (LoRABatch.derive) and prefill attention (AttentionMetadata
     .derive_prefill) read derived on the device: once per step, not per layer, since every layer reads the same."""
     if model.lora_kernel in compile_policy.GEMM_KERNELS and fb.lora.weight_indices is not None:
