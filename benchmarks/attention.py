@@ -1,6 +1,6 @@
 """Why compiled decode attention is written as two reductions, block by block, reading K/V through block tables:
 one layer's decode attention, with the rotary embedding of its queries, compiled as the engine compiles it (sizes
-dynamic, traced at a small step), in the form the engine uses (lora_compile.model.attend_decode) and in the forms
+dynamic, traced at a small step), in the form the engine uses (lora_compile.model.attention.attend_decode) and in the forms
 it replaced, side by side.
 
     python -m benchmarks.attention [--batches 8 32] [--keys 80 200] [--rounds 7] [--device cuda --shape llama-1b]
@@ -28,8 +28,8 @@ import torch
 
 from benchmarks.common import interleaved, per_call_us
 from lora_compile import compile_policy
-from lora_compile.layers import apply_rotary
-from lora_compile.model import attend, attend_decode, kv_rows
+from lora_compile.model.layers import apply_rotary
+from lora_compile.model.attention import attend, attend_decode, kv_rows
 
 HKV, GROUP, HEAD_DIM, SLOTS, MAX_LEN, BLOCK = 3, 3, 64, 33, 256, 16
 

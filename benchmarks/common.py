@@ -42,7 +42,7 @@ def smollm2_dequantised(root: Path | None = None) -> Path:
 
     from transformers import AutoModelForCausalLM
 
-    from lora_compile.model_source import ModelSource
+    from lora_compile.model.loader.source import ModelSource
     from lora_serve_demo.smollm2 import fetch_smollm2
 
     out = (root or default_cache_dir() / "bench") / "smollm2-135m-instruct-dequantised"

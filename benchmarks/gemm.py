@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import interleaved, per_call_us
-from lora_compile import packed_gemm
+from lora_compile.model import packed_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 

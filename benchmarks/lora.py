@@ -23,7 +23,8 @@ from benchmarks.common import (
     smollm2_checkpoint,
     write_lora_adapters,
 )
-from lora_compile import Engine, EngineConfig, packed_gemm
+from lora_compile import Engine, EngineConfig
+from lora_compile.model import packed_gemm
 
 N_ADAPTERS = 8
 RANK = 16

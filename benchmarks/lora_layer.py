@@ -11,7 +11,7 @@ step (one copy stays in the caches from call to call); --forms: only the forms w
 
 SmolLM2-135M's shapes (qkv 576 -> 576+192+192, o 576 -> 576, gate_up 576 -> 2x1536, down 1536 -> 576), rank 16,
 8 adapter slots plus the zero slot, float32, packed base GEMMs. Forms:
-- indexed (lora_compile.layers): each token reads its own slot's A and B inside two reductions, fused by Inductor;
+- indexed (lora_compile.model.layers): each token reads its own slot's A and B inside two reductions, fused by Inductor;
 - indexed, B out-major: the same with B stored as (out, slot, rank), the layout used before (a rank-long reduction
   with a horizontal sum per output, instead of one vectorised over outputs);
 - masked GEMMs, one slot: the previous one-adapter path (a shrink GEMM, one expand GEMM per fused slice);
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from lora_compile import compile_policy
-from lora_compile.layers import LoRALinear, _lora_delta_indexed
-from lora_compile.packed_gemm import packed_linear, plain_linear, prepack
+from lora_compile.model.layers import LoRALinear, _lora_delta_indexed
+from lora_compile.model.packed_gemm import packed_linear, plain_linear, prepack
 
 SHAPES = [(576, (576, 192, 192)), (576, (576,)), (576, (1536, 1536)), (1536, (576,))]
 RANK, SLOTS = 16, 8

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import decode_step_time, interleaved, register_adapters, smollm2_checkpoint, write_lora_adapters
-from lora_compile import Engine, EngineConfig, packed_gemm
+from lora_compile import Engine, EngineConfig
+from lora_compile.model import packed_gemm
 
 
 def main() -> None:
@@ -28,7 +29,7 @@ def main() -> None:
     args = p.parse_args()
     if packed_gemm.packed_rows(args.batch + 1) is None:
         p.error("--batch: a lone adapter is merged only in steps whose GEMMs run on packed weights, decode steps of "
-                "5 to 64 sequences (lora_compile/packed_gemm.py)")
+                "5 to 64 sequences (lora_compile/model/packed_gemm.py)")
     model = smollm2_checkpoint()
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"a{i}" for i in range(args.adapters)]

@@ -25,7 +25,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import write_lora_adapter
-from lora_compile.adapters import load_adapter
+from lora_compile.lora.adapters import load_adapter
 from lora_compile.config import ModelConfig
 from lora_serve_demo import write_demo_checkpoint
 from service.client import AsyncLoraServeClient

@@ -50,7 +50,7 @@ from benchmarks.common import (
     write_lora_adapters,
 )
 from lora_compile import Engine, EngineConfig, SamplingParams, huge_pages
-from lora_compile.packed_gemm import native_bf16  # where the engine's `auto` picks bf16
+from lora_compile.model.packed_gemm import native_bf16  # where the engine's `auto` picks bf16
 from lora_serve_demo.smollm2 import demo_adapters
 from service import allocator
 from service.runner import engine_thread

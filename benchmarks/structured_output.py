@@ -21,7 +21,7 @@ import torch
 from benchmarks.common import (decode_step_time, interleaved, register_adapters, smollm2_checkpoint,
                                write_lora_adapters)
 from lora_compile import Engine, EngineConfig
-from lora_compile.structured_output import StructuredOutput
+from lora_compile.sample.structured_output import StructuredOutput
 
 SCHEMA = {"type": "object", "required": ["text"], "additionalProperties": False,
           "properties": {"text": {"type": "string", "minLength": 300}}}

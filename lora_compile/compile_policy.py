@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from . import precompile
 from .config import cache_root
-from .forward_batch import ForwardBatch
+from .model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -80,53 +79,12 @@ def _layer_variant(layer, x, *batch) -> int:
 
 
 # torch 2.12 added reuse_hash_fn. Before it, Dynamo traces every layer's call and reuses identical graphs (slower
-# starts), and the layer stack is not saved (compile_model): the saved form is only checked on torch >= 2.12.
+# starts), and the layer stack is not saved (core.compiled_stack): the saved form is only checked on torch >= 2.12.
 REUSE_HASH = "reuse_hash_fn" in inspect.signature(torch.compiler.nested_compile_region).parameters
 
 # Marks the decoder layer's forward inside the compiled stack (eager calls the layers directly).
 repeated_region = (torch.compiler.nested_compile_region(reuse_hash_fn=_layer_variant) if REUSE_HASH
                    else torch.compiler.nested_compile_region())
-
-
-def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
-    """Compile the model's layer stack (model.layer_stack) as one frame: saved in and loaded from `cache_dir` (what
-    configure returned) with its traced frame when `precompiled` (precompile.PrecompiledStack), else traced by
-    torch.compile at every start. Before torch 2.12, each decoder layer is a compiled frame of its own instead
-    (compile_each_layer)."""
-    from .model import layer_stack
-    if not REUSE_HASH:
-        log.info("torch %s: each decoder layer is compiled as a frame of its own (the one-frame stack and saved "
-                 "stacks need torch >= 2.12)", torch.__version__)
-        compile_each_layer(model)
-        return
-    if precompiled:
-        model._run_layers = precompile.PrecompiledStack(model, layer_stack, mark_dynamic,
-                                                        precompile.stacks_directory(cache_dir))
-    else:
-        compiled = torch.compile(layer_stack, fullgraph=True)
-
-        def traced(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-            mark_dynamic(h, fb)
-            return compiled(model, h, *fb.flat())
-
-        model._run_layers = traced
-
-
-def compile_each_layer(model) -> None:
-    """The layer stack as a Python loop over one compiled decoder layer (model.layer_by_layer), for torch < 2.12.
-
-    There, a nested compile region that writes its inputs (each layer's KV pools) is functionalised: the region
-    wrote a new copy of both whole pools and the stack copied them back, every layer of every step (on an H200,
-    2.0 of a 4.1 ms bf16 decode step at batch 8, 1B model: docs/benchmarks.md). A top-level compiled frame writes
-    its inputs in place. The frame is traced once per variant (its guards read a layer's shapes, not which layer
-    it is); a CUDA graph replays the loop's kernels without the Python, and prefill pays one guard check a layer."""
-    from .model import decoder_layer, layer_by_layer
-    compiled = torch.compile(decoder_layer, fullgraph=True)
-
-    def run(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return layer_by_layer(model, compiled, h, fb, mark_dynamic)
-
-    model._run_layers = run
 
 
 def unaliased(batch: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:

@@ -11,10 +11,10 @@ from typing import Literal, get_args
 import torch
 
 from .errors import CheckpointError
-from .model_families import FAMILIES, SUPPORTED_ARCHITECTURES, Family  # noqa: F401 (SUPPORTED_ARCHITECTURES: re-exported)
-from .packed_gemm import native_bf16
-from .quantization import GROUP_SIZES, QUANTIZATIONS
-from .structured_output import GrammarLimits
+from .model.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family  # noqa: F401 (SUPPORTED_ARCHITECTURES: re-exported)
+from .model.packed_gemm import native_bf16
+from .model.quantization import GROUP_SIZES, QUANTIZATIONS
+from .sample.structured_output import GrammarLimits
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # model.ACTIVATIONS implements them
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
@@ -278,7 +278,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class EngineConfig:
-    model: str                       # a Hugging Face model directory or a GGUF file (lora_compile.model_source)
+    model: str                       # a Hugging Face model directory or a GGUF file (lora_compile.model.loader.source)
     # A directory whose tokenizer.json / tokenizer_config.json replace the model's (vLLM's --tokenizer).
     tokenizer: str | None = None
     max_num_seqs: int = 64           # running sequences (vLLM's name), whatever their lengths
@@ -314,16 +314,16 @@ class EngineConfig:
     # start, which then runs no Dynamo tracing (precompile). Off: torch.compile traces the stack at every start.
     precompile: bool = True
     # On CUDA with compile: decode steps replay CUDA graphs, one per (batch bucket, key bucket, with/without
-    # adapters), captured on first use (lora_compile.cuda_graphs). Off: every step launches its kernels.
+    # adapters), captured on first use (lora_compile.core.cuda_graphs). Off: every step launches its kernels.
     cuda_graphs: bool = True
-    # Fill the next decode step's metadata on the host while this step runs on the device (lora_compile.step_ahead).
+    # Fill the next decode step's metadata on the host while this step runs on the device (lora_compile.core.step_ahead).
     # None: on CUDA, where the device would otherwise wait for it; on the CPU the forward holds the cores anyway.
     overlap_batch_init: bool | None = None
     # CPU float32: run base projections on oneDNN-packed weights (2-3x faster GEMMs at decode sizes; a second
     # copy of the weights). Ignored where packed_gemm is not available.
     prepack_weights: bool = True
     # With packed weights: once `merge_after_steps` consecutive steps use one adapter alone, run them on that adapter
-    # merged into another packed copy of the projection weights (lora_merge). "auto": where that copy fits in half
+    # merged into another packed copy of the projection weights (lora/merge.py). "auto": where that copy fits in half
     # the memory available after loading; "on" / "off" force it. A merge costs several steps' time (spread over
     # steps), so a batch must stay on one adapter for a while before it pays for one.
     merge_lone_adapter: MergeMode = "auto"
@@ -351,7 +351,7 @@ class EngineConfig:
     # mask run off the engine thread within a time and a memory budget, or it is refused; compiled ones are kept up
     # to a total; a step's grammar work (masks, consuming the sampled tokens) waits at most the step timeout, after
     # which the sequences not done end with an error and the others go on.
-    # Base weights' form (lora_compile/quantization/; vLLM's --quantization): "gguf" keeps a GGUF's blocks where a kernel
+    # Base weights' form (lora_compile/model/quantization/; vLLM's --quantization): "gguf" keeps a GGUF's blocks where a kernel
     # computes them exactly, "auto" is "gguf" in bfloat16 / float16 and "none" otherwise, "int8" / "int4" quantize
     # at load (int4 in groups of quantization_group_size), "none" keeps every weight at full width.
     quantization: str = "auto"

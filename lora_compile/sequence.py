@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from .logits_processors import SequenceSamplerState
-from .sampling import SamplingParams
+from .sample.logits_processors import SequenceSamplerState
+from .sample.sampling import SamplingParams
 
 
 @dataclass(eq=False)

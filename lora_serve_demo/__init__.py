@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from lora_compile.config import ModelConfig, cache_root
-from lora_compile.model import LORA_TARGETS, module_shapes
+from lora_compile.model.causal_lm import LORA_TARGETS, module_shapes
 
 DEMO_VERSION = "demo-v1"
 MODEL_DIRNAME = "demo-llama-v1"

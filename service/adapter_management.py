@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from lora_compile.lora_manager import AdapterInfo
+from lora_compile.lora.manager import AdapterInfo
 from service.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from service.limits import MAX_NAME_CHARS
 from service.runner.scheduler import EngineRunner

@@ -53,7 +53,7 @@ def _fraction(value: str) -> float:
 def serve_parser() -> argparse.ArgumentParser:
     from lora_compile import EngineConfig
     from lora_compile.config import ATTENTION_BACKENDS, LORA_KERNELS, MERGE_MODES
-    from lora_compile.quantization import GROUP_SIZES, QUANTIZATIONS
+    from lora_compile.model.quantization import GROUP_SIZES, QUANTIZATIONS
     from service.cli_vllm import add_log_flags, lora_module, token_count
     from service.limits import RequestLimits
     from service.http_api.tool_calls import TOOL_CALL_PARSERS

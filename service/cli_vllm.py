@@ -26,9 +26,9 @@ class LoraModule(NamedTuple):
 
 def lora_module(value: str) -> LoraModule:
     """NAME=DIR, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}; NAME follows the one rule
-    for adapter names (lora_compile.adapters.check_adapter_name)."""
+    for adapter names (lora_compile.lora.adapters.check_adapter_name)."""
     module = _lora_module(value)
-    from lora_compile.adapters import check_adapter_name
+    from lora_compile.lora.adapters import check_adapter_name
     from lora_compile.errors import AdapterNameError
     try:
         check_adapter_name(module.name)

@@ -8,8 +8,8 @@ barrier. So the server
 - runs one compute thread fewer than that (at least one), as vLLM-CPU reserves a CPU for its scheduler process:
   the server's own other threads (the event loop, tokenizer, grammar compiles, adapter loaders) and a neighbour
   then take that CPU instead of a team member's. On 2 cores (docs/benchmarks.md): a 32-token completion beside a
-  nice-0 busy loop took 1.4 s with one thread, 4.4-6.1 s with two (1.0 s alone with two, 1.35 s with one);
-- keeps libgomp's own wait policy (spin a while, then sleep): PASSIVE took 2.2x as long alone.
+  nice-0 busy loop took 1.10 s with one thread, 4.51 s with two (0.79 s alone with two, 1.13 s with one);
+- keeps libgomp's own wait policy (spin a while, then sleep): PASSIVE took 2.5x as long alone.
 What each costs alone and beside a busy loop: python -m benchmarks.noisy_neighbour. An operator's own
 OMP_NUM_THREADS / OMP_WAIT_POLICY are kept. Torch-free: it runs before torch is imported (OpenMP reads these once,
 when torch loads).

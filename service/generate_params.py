@@ -39,7 +39,7 @@ class GenerateParams:
     text: str | None = None
     token_ids: Sequence[int] | None = None
     add_special_tokens: bool = True       # when tokenizing text (BOS...); a chat template writes its own
-    # sampling (lora_compile.SamplingParams; the rules in lora_compile.sampling.SAMPLING_RULES)
+    # sampling (lora_compile.SamplingParams; the rules in lora_compile.sample.sampling.SAMPLING_RULES)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -59,7 +59,7 @@ class GenerateParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None    # None: off
-    # structured output: (kind, spec), lora_compile.structured_output.StructuredOutput's fields; None: free text
+    # structured output: (kind, spec), lora_compile.sample.structured_output.StructuredOutput's fields; None: free text
     structured_output: tuple[str, str] | None = None
 
     @property

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lora_compile import SamplingParams
 from lora_compile.errors import AdapterNameError, AdapterPathError
-from lora_compile.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
-from lora_compile.structured_output import GrammarError, StructuredOutput
-from lora_compile.sampling import (
+from lora_compile.sample.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
+from lora_compile.sample.structured_output import GrammarError, StructuredOutput
+from lora_compile.sample.sampling import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PROMPT_LOGPROBS,

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.common import write_lora_adapter
-from lora_compile.adapters import check_adapter_name, load_adapter
+from lora_compile.lora.adapters import check_adapter_name, load_adapter
 from lora_compile.config import ModelConfig
 from lora_compile.errors import AdapterError, AdapterNameError
 from tests.service_harness import demo_paths

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from lora_compile.attention_sdpa import sdpa_decode, sdpa_prefill
-from lora_compile.model import attend, attend_decode, kv_rows
+from lora_compile.model.attention_sdpa import sdpa_decode, sdpa_prefill
+from lora_compile.model.attention import attend, attend_decode, kv_rows
 
 
 def _per_block(*args):

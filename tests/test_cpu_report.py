@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks import cpu_report
-from lora_compile import packed_gemm
+from lora_compile.model import packed_gemm
 
 
 def test_describe_names_model_and_isa():
@@ -50,7 +50,7 @@ def test_onednn_kernels_of_a_packed_linear():
 CAPPED = """
 import torch
 from benchmarks import cpu_report
-from lora_compile import packed_gemm
+from lora_compile.model import packed_gemm
 weight, x = torch.randn(256, 128), torch.randn(9, 128)
 packed = packed_gemm.prepack(weight)
 print(cpu_report.describe(2))

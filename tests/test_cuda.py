@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lora_compile import Engine, SamplingParams, Sequence
-from lora_compile import engine as engine_module
-from lora_compile.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
+from lora_compile.core import engine as engine_module
+from lora_compile.core.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
 from tests.checkpoints import load_reference, make_peft_adapter, reference_greedy
 from tests.conftest import ADAPTER_SPECS, build_engine
 from tests.test_engine_compile import random_workload

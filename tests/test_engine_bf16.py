@@ -15,7 +15,7 @@ import torch
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile import config as config_module
 from lora_compile.config import resolve_dtype
-from lora_compile.packed_gemm import native_bf16
+from lora_compile.model.packed_gemm import native_bf16
 from tests.checkpoints import reference_greedy
 from tests.conftest import ENGINE_LIMITS
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lora_compile import Engine, EngineConfig, SamplingParams, Sequence
-from lora_compile.precompile import PrecompiledStack, RecompileError, artifact_key
+from lora_compile.core.precompile import PrecompiledStack, RecompileError, artifact_key
 from tests.conftest import ADAPTER_SPECS, ENGINE_LIMITS, INDUCTOR_CACHE, build_engine
 
 pytestmark = pytest.mark.slow
@@ -151,7 +151,7 @@ def test_a_stack_that_cannot_be_saved_still_serves(models, tmp_path, caplog):
     engine = Engine(EngineConfig(model=str(models["llama"]), inductor_cache_dir=INDUCTOR_CACHE, **ENGINE_LIMITS))
     engine.model._run_layers.directory = tmp_path / "a-file" / "stacks"
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    with caplog.at_level("WARNING", logger="lora_compile.precompile"):
+    with caplog.at_level("WARNING", logger="lora_compile.core.precompile"):
         tokens = engine.generate([[5, 6, 7]], sp)  # the base variant only
     assert engine.model._run_layers.sources == {"base": "compiled"}
     assert "could not save the compiled layer stack" in caplog.text
@@ -256,7 +256,7 @@ def test_the_saved_stack_key_follows_what_shapes_the_graph(models, monkeypatch):
 
 @pytest.mark.parametrize("attention", ["inductor", "sdpa"])
 def test_each_layer_compiled_on_its_own_matches_peft_and_never_recompiles(models, adapters, monkeypatch, attention):
-    """What torch < 2.12 runs (compile_policy.compile_each_layer, CUDA's image today), here on the CPU: every decoder
+    """What torch < 2.12 runs (compiled_stack.compile_each_layer, CUDA's image today), here on the CPU: every decoder
     layer a call of one compiled frame, with either attention form; transformers + peft's greedy tokens for a mixed
     batch, and a random workload without a recompile after warm-up (a step that would recompile raises)."""
     from lora_compile import compile_policy

@@ -1,4 +1,4 @@
-"""GGUF models (lora_compile/gguf_checkpoint.py): a tiny llama written with the gguf writer in every supported
+"""GGUF models (lora_compile/model/loader/gguf_checkpoint.py): a tiny llama written with the gguf writer in every supported
 tensor type gives exactly the greedy tokens of transformers' own GGUF loading, base and with a PEFT adapter in one
 batch; its tokenizer is the one it was written from; refusals name what is wrong."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from lora_compile import Engine, EngineConfig
 from lora_compile.errors import CheckpointError
-from lora_compile.gguf_checkpoint import GGUFCheckpoint
+from lora_compile.model.loader.gguf_checkpoint import GGUFCheckpoint
 from lora_compile.tokenizer import Tokenizer
 from lora_serve_demo import EOS_ID
 from tests.conftest import ENGINE_LIMITS

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lora_compile import SamplingParams, Sequence
-from lora_compile.structured_output import StructuredOutput
+from lora_compile.sample.structured_output import StructuredOutput
 from lora_serve_demo.smollm2 import fetch_smollm2
 from service.client import InvalidArgumentError
 from service.cpu_budget import compute_threads
@@ -165,7 +165,7 @@ def test_a_step_waits_at_most_its_budget_for_grammar_work(served, monkeypatch):
     """A sequence whose grammar work is not done within the step's budget ends with a precise error, and the
     sequence beside it goes on. The mask call is held until the steps are over (a grammar slower than any budget,
     whatever the machine's speed), so the first step that needs it runs into the budget."""
-    from lora_compile import grammar_steps
+    from lora_compile.sample import grammar_steps
 
     engine = served.engine
     steps = engine._grammar_steps

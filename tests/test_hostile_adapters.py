@@ -18,10 +18,10 @@ from peft.utils.other import get_pattern_key
 from safetensors.torch import load_file, save_file
 
 import service.runner.engine_thread as engine_thread
-from lora_compile.adapter_config import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, PatternTable
-from lora_compile.adapters import MAX_HEADER_BYTES
+from lora_compile.lora.adapter_config import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, PatternTable
+from lora_compile.lora.adapters import MAX_HEADER_BYTES
 from lora_compile.config import ModelConfig
-from lora_compile.model import LORA_TARGETS
+from lora_compile.model.causal_lm import LORA_TARGETS
 from service.client import FailedPreconditionError, InvalidArgumentError
 from service.server import ServerConfig
 from tests.http_wire import post

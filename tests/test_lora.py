@@ -10,10 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lora_compile import SamplingParams, Sequence, packed_gemm
+from lora_compile import SamplingParams, Sequence
+from lora_compile.model import packed_gemm
 from lora_compile.errors import AdapterError, AdapterInUseError, AdapterNotFoundError
-from lora_compile.forward_batch import LoRABatch
-from lora_compile.layers import LoRALinear
+from lora_compile.model.forward_batch import LoRABatch
+from lora_compile.model.layers import LoRALinear
 from tests.checkpoints import make_peft_adapter, make_tiny_model, reference_greedy
 from tests.conftest import ADAPTER_SPECS, build_engine
 from tests.test_engine_golden import NEW_TOKENS, PROMPTS, assert_matches_reference, run_joining

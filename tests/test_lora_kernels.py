@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lora_compile import compile_policy
-from lora_compile.forward_batch import LoRABatch
-from lora_compile.layers import LoRALinear, _lora_delta_grouped, _lora_delta_masked, _lora_delta_segmented
+from lora_compile.model.forward_batch import LoRABatch
+from lora_compile.model.layers import LoRALinear, _lora_delta_grouped, _lora_delta_masked, _lora_delta_segmented
 from tests.conftest import build_engine
 from tests.test_engine_golden import PROMPTS, assert_matches_reference, run_joining
 from tests.test_lora import MIXED

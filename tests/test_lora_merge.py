@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lora_compile import EngineConfig, host_memory, lora_merge, packed_gemm
+from lora_compile import EngineConfig, host_memory
+from lora_compile.lora import merge as lora_merge
+from lora_compile.model import packed_gemm
 from tests.checkpoints import reference_greedy
 from tests.conftest import build_engine
 from tests.test_engine_golden import NEW_TOKENS, PROMPTS, assert_matches_reference, run_joining

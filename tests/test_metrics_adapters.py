@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.common import write_lora_adapter
-from lora_compile.adapters import load_adapter
+from lora_compile.lora.adapters import load_adapter
 from lora_compile.config import ModelConfig
 from service.server import ServerConfig
 from tests.http_wire import metric_value, metrics

@@ -1,4 +1,4 @@
-"""Model families beyond Llama (model_families): Qwen3, Phi-3, Gemma 2, Gemma 3. Per family, one batch mixing the
+"""Model families beyond Llama (lora_compile/model/families.py): Qwen3, Phi-3, Gemma 2, Gemma 3. Per family, one batch mixing the
 base model and two PEFT adapters, joining at different steps, gives exactly transformers' + peft's greedy tokens
 and close logits, eager and compiled; their config.json read in transformers 5's form and in the older one give
 the same ModelConfig."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lora_compile.config import ModelConfig
-from lora_compile.adapter_config import targets_from_config
+from lora_compile.lora.adapter_config import targets_from_config
 from lora_compile.errors import AdapterError, CheckpointError
-from lora_compile.layers import rope_tables
-from lora_compile.model import lora_targets
+from lora_compile.model.layers import rope_tables
+from lora_compile.model.causal_lm import lora_targets
 from tests.checkpoints import ALL_TARGETS, UNFUSED_TARGETS, make_peft_adapter, make_tiny_model, reference_greedy
 from tests.conftest import build_engine
 from tests.test_engine_golden import NEW_TOKENS, PROMPTS, run_joining

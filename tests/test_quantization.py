@@ -1,4 +1,4 @@
-"""Quantized base weights (lora_compile/quantization/): a GGUF's 4-, 5- and 8-bit blocks held as they are and
+"""Quantized base weights (lora_compile/model/quantization/): a GGUF's 4-, 5- and 8-bit blocks held as they are and
 computed by torch's weight-only kernels, against the dequantised reference.
 
 Bounds stated here: block forms dequantise to gguf's own values exactly; a float32 product over them is within
@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from lora_compile import Engine, EngineConfig, SamplingParams
-from lora_compile import quantization as qz
+from lora_compile.model import quantization as qz
 from lora_serve_demo import VOCAB_SIZE
 from tests.conftest import ENGINE_LIMITS, INDUCTOR_CACHE
 from tests.gguf_files import _k_quant_bytes, assert_batch_equals_reference, load_gguf_reference, tiny_llama_gguf
@@ -123,7 +123,7 @@ def test_mixed_gguf_is_held_quantized_and_equals_transformers_and_peft_compiled(
     from tests.test_engine_compile import random_workload
 
     path, adapter = mixed
-    with caplog.at_level(logging.INFO, logger="lora_compile.engine"):
+    with caplog.at_level(logging.INFO, logger="lora_compile.core.engine"):
         engine = Engine(EngineConfig(model=str(path), compile=True, inductor_cache_dir=INDUCTOR_CACHE,
                                      quantization="gguf", **ENGINE_LIMITS))
     log = caplog.text
@@ -145,11 +145,11 @@ def test_mixed_gguf_is_held_quantized_and_equals_transformers_and_peft_compiled(
 
 def test_auto_keeps_blocks_in_bfloat16_only_and_refusals_say_what_to_change(mixed, caplog):
     path, _ = mixed
-    with caplog.at_level(logging.INFO, logger="lora_compile.engine"):
+    with caplog.at_level(logging.INFO, logger="lora_compile.core.engine"):
         full = Engine(EngineConfig(model=str(path), compile=False, **(ENGINE_LIMITS | dict(dtype="float32"))))
     assert not full.quantized and "weights torch.float32: dequantised (torch's weight-only kernels" in caplog.text
     assert all(p.weight is not None for layer in full.model.layers for p, _ in layer.projections())
-    with caplog.at_level(logging.INFO, logger="lora_compile.engine"):
+    with caplog.at_level(logging.INFO, logger="lora_compile.core.engine"):
         held = Engine(EngineConfig(model=str(path), compile=False, **(ENGINE_LIMITS | dict(dtype="bfloat16"))))
     assert held.quantized and held.model.layers[0].self_attn.qkv_proj.quant == "int4"
     # The embeddings' Q8_0 blocks kept (rows exactly the dequantised table's, in bfloat16); the Q6_K head widened.
@@ -166,8 +166,8 @@ def test_auto_keeps_blocks_in_bfloat16_only_and_refusals_say_what_to_change(mixe
             (float_checkpoint, dict(quantization="gguf"), "the model is not a GGUF file")):
         with pytest.raises(ValueError, match=message):
             Engine(EngineConfig(model=str(model), compile=False, **(ENGINE_LIMITS | config)))
-    from lora_compile.gguf_checkpoint import GGUFCheckpoint
-    from lora_compile.model import projection_tensors
+    from lora_compile.model.loader.gguf_checkpoint import GGUFCheckpoint
+    from lora_compile.model.causal_lm import projection_tensors
 
     with pytest.raises(ValueError, match=r"int4 weights on CUDA need bfloat16 activations \(--dtype bfloat16\)"):
         qz.plan("int4", 32, GGUFCheckpoint(path), *projection_tensors(full.model.config), torch.device("cuda"),
@@ -263,7 +263,7 @@ def test_demo_q4_1_agrees_with_transformers_and_peft(demo):
 def test_quantizing_at_load_keeps_perplexity(demo, tmp_path):
     """The demo's weights (dequantised, written as a float32 safetensors checkpoint) quantized at load: the
     perplexity of a fixed text within 1 % with int8 per row and within 5 % with int4 groups of 32 (whose groups are
-    the file's own Q4_1 blocks: it finds them again; coarser groups lose more, see docs/benchmarks.md)."""
+    the file's own Q4_1 blocks: it finds them again; coarser groups lose more)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lora_compile import SamplingParams, Sequence
-from lora_compile.sampling import GREEDY_BELOW_TEMPERATURE, NON_FINITE, argmax, sample
+from lora_compile.sample.sampling import GREEDY_BELOW_TEMPERATURE, NON_FINITE, argmax, sample
 from tests.checkpoints import load_reference
 from tests.conftest import build_engine
 from tests.test_engine_golden import PROMPTS

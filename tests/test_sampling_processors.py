@@ -10,8 +10,8 @@ import torch
 from transformers.generation.logits_process import MinPLogitsWarper, SequenceBiasLogitsProcessor
 
 from lora_compile import SamplingParams, Sequence
-from lora_compile.logits_processors import apply_min_p
-from lora_compile.sampling import NON_FINITE, sample
+from lora_compile.sample.logits_processors import apply_min_p
+from lora_compile.sample.sampling import NON_FINITE, sample
 from service.runner.output import OutputProcessor
 from tests.checkpoints import load_reference
 from tests.conftest import build_engine

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import write_lora_adapter
-from lora_compile.adapters import load_adapter
+from lora_compile.lora.adapters import load_adapter
 from lora_compile.config import ModelConfig
 from service.client import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from service.server import ServerConfig

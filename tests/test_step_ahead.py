@@ -1,4 +1,4 @@
-"""Overlapped batch init (lora_compile.step_ahead): a decode step built while the step before it ran gives exactly the
+"""Overlapped batch init (lora_compile.core.step_ahead): a decode step built while the step before it ran gives exactly the
 tokens of the same step built in turn, through joins, finishes by length and by stop token, cancellations and
 preemption; a build that no longer fits its step is dropped, never used. On by default on CUDA only (the device
 runs while the host builds); switched on here on the CPU, where the same code runs after the forward."""

@@ -1,4 +1,4 @@
-"""Structured outputs (lora_compile.structured_output): a constrained output always parses and validates, whatever
+"""Structured outputs (lora_compile.sample.structured_output): a constrained output always parses and validates, whatever
 the model (random weights here, sampled); constrained, free and adapter requests share a batch and each gets its
 solo tokens; a spec compiles once; a bad one is refused before any step, naming the problem. Then both doors:
 the openai SDK (response_format, chat.completions.parse, vLLM's structured_outputs) and the gRPC SDK."""
@@ -13,7 +13,7 @@ import pydantic
 import pytest
 
 from lora_compile import SamplingParams
-from lora_compile.structured_output import GrammarError, StructuredOutput
+from lora_compile.sample.structured_output import GrammarError, StructuredOutput
 from service.client import InvalidArgumentError
 from service.server import ServerConfig
 from tests.conftest import build_engine

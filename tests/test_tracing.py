@@ -175,7 +175,7 @@ def test_generate_span_tree(stack: Stack):
         phases = children(spans, step)
         init, forward, sample = phases["lora.batch_init"], phases["model.forward"], phases["sample"]
         before_forward = init
-        if "lora.merge" in phases:  # a lone adapter being merged (lora_merge): its share sits between the two
+        if "lora.merge" in phases:  # a lone adapter being merged (lora/merge.py): its share sits between the two
             before_forward = phases["lora.merge"]
             assert init.end_ns == before_forward.start_ns <= before_forward.end_ns
         assert step.start_ns == init.start_ns <= init.end_ns
@@ -185,8 +185,8 @@ def test_generate_span_tree(stack: Stack):
 
 
 def test_a_merging_step_shows_its_merge_between_batch_init_and_forward(stack: Stack):
-    """A step that merged its lone adapter into the weights (lora_merge) carries that cost as its own span."""
-    from lora_compile.step_output import StepOutput
+    """A step that merged its lone adapter into the weights (lora/merge.py) carries that cost as its own span."""
+    from lora_compile.core.step_output import StepOutput
     step = StepOutput(seq_ids=[7], token_ids=[3], num_tokens=4, num_adapters=1, kind="decode", merged=True,
                       start_ns=time.time_ns(), batch_init_s=0.001, merge_s=0.120, forward_s=0.050, sample_s=0.002)
     stack.served.server.observer.record_step(step, batch_size=4)

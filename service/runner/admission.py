@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from lora_compile import Engine
-from lora_compile.step_output import AdmitOutcome
+from lora_compile.core.step_output import AdmitOutcome
 from lora_compile.errors import (
     AdapterError,
     AdapterNotFoundError,

@@ -7,8 +7,8 @@ import logging
 
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine
-from lora_compile.lora_manager import AdapterInfo
-from lora_compile.structured_output import StructuredOutput
+from lora_compile.lora.manager import AdapterInfo
+from lora_compile.sample.structured_output import StructuredOutput
 from service.runner.detokenizer import TokenText, token_texts
 from service.runner.request import ModelInfo
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from lora_compile.step_output import StepOutput
+    from lora_compile.core.step_output import StepOutput
     from service.runner.request_state import RequestState
 
 
@@ -40,7 +40,7 @@ class IterationResult:
     stepped: list[RequestState]
     step_error: Exception | None = None
     step: StepOutput | None = None
-    adapter_events: list = field(default_factory=list)  # lora_manager.AdapterEvent: loads, copies, evictions
+    adapter_events: list = field(default_factory=list)  # lora.manager.AdapterEvent: loads, copies, evictions
 
 
 class RunnerObserver(Protocol):

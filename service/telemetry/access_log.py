@@ -100,7 +100,7 @@ def _line(scope, status: int | None, exchange: _Exchange, seconds: float) -> str
             finished = next((e.fields for e in state.events if e.type is RequestEventType.FINISHED and e.fields
                              and "completion_tokens" in e.fields), None)
             completion += finished["completion_tokens"] if finished else len(state.seq.output_ids)
-        # (names follow lora_compile.adapters.check_adapter_name; escaped all the same: one request, one line)
+        # (names follow lora_compile.lora.adapters.check_adapter_name; escaped all the same: one request, one line)
         adapter = (exchange.requests[0].request.adapter or "-").encode("unicode_escape").decode("ascii")
         line += f" adapter={adapter} prompt_tokens={prompt} completion_tokens={completion}"
     return f"{line} latency={seconds:.3f}s"

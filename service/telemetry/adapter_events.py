@@ -1,4 +1,4 @@
-"""How the adapter manager's events (lora_manager.AdapterEvent) read as metrics: one mapping for both exporters
+"""How the adapter manager's events (lora_compile.lora.manager.AdapterEvent) read as metrics: one mapping for both exporters
 (OTLP in observer.py, Prometheus in prometheus.py)."""
 from __future__ import annotations
 

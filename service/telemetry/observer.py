@@ -38,7 +38,7 @@ from service.telemetry.interceptor import CallSpan, current_call, set_error
 from service.telemetry.setup import Telemetry, never_raise
 
 if TYPE_CHECKING:
-    from lora_compile.step_output import StepOutput
+    from lora_compile.core.step_output import StepOutput
     from service.runner.reports import IterationResult
     from service.runner.request_state import RequestState
 
@@ -323,9 +323,9 @@ class TelemetryObserver:
         if span.is_recording():
             ctx = trace.set_span_in_context(span)
             children = [("lora.batch_init", t0, t1), ("model.forward", t1m, t2), ("sample", t2a, t3)]
-            if step.merge_s:  # this step merged its lone adapter into the weights first (lora_merge)
+            if step.merge_s:  # this step merged its lone adapter into the weights first (lora_compile/lora/merge.py)
                 children.insert(1, ("lora.merge", t1, t1m))
-            if step.batch_init_ahead_s:  # (lora_compile.step_ahead)
+            if step.batch_init_ahead_s:  # (lora_compile.core.step_ahead)
                 children.insert(-1, ("lora.batch_init_ahead", t2, t2a))
             for name, start, end in children:
                 self.tracer.start_span(name, context=ctx, start_time=start).end(end_time=end)

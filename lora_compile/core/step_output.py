@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import AdapterOutputError
+from ..errors import AdapterOutputError
 
 
 class AdmitOutcome(enum.Enum):
@@ -30,7 +30,7 @@ class StepOutput:
     # Sequences whose KV blocks this step took back to let older ones grow (kv_growth "lazy"): no longer admitted,
     # they wait to be admitted again (first in line) and are then recomputed, their prefix from the cache.
     preempted: list[int] = field(default_factory=list)
-    merged: bool = False        # ran on its one adapter merged into the weights (lora_merge)
+    merged: bool = False        # ran on its one adapter merged into the weights (lora/merge.py)
     cuda_graph: bool = False    # replayed a decode CUDA graph (cuda_graphs)
     kind: str = "decode"        # "decode", "prefill" or "mixed"
     start_ns: int = 0           # wall clock (time.time_ns) at the start of the step, for tracing

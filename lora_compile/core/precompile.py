@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .forward_batch import ForwardBatch
+from ..model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Only safetensors is read: a pickle file is refused, never opened.
 
 Reading and validating use numpy only, and one `torch.from_numpy` per tensor at the end (no torch op): this runs
-on the adapter loader's threads (adapter_loader.py), and a thread that runs parallel torch ops gets an OpenMP team
+on the adapter loader's threads (loader.py), and a thread that runs parallel torch ops gets an OpenMP team
 of its own, which slows every later engine step on few cores (service/runner/engine_thread.py).
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ import safetensors
 import torch
 from safetensors import SafetensorError
 
+from ..config import ModelConfig
+from ..errors import AdapterError, AdapterNameError, AdapterPathError
+from ..model.causal_lm import PROJECTIONS, lora_targets, module_shapes
 from .adapter_config import check_config, config_numbers, read_config, targets_from_config
-from .config import ModelConfig
-from .errors import AdapterError, AdapterNameError, AdapterPathError
-from .model import PROJECTIONS, lora_targets, module_shapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

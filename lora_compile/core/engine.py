@@ -11,29 +11,30 @@ from collections.abc import Callable, Sequence as SequenceLike
 
 import torch
 
-from . import compile_policy, huge_pages, packed_gemm
-from .config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from .host_memory import available_memory_bytes
+from .. import compile_policy, heap, huge_pages
+from ..config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from ..errors import AdapterOutputError
+from ..host_memory import available_memory_bytes
+from ..kv_cache import KVCacheManager, kv_cache_size
+from ..kv_cache.sizing import format_bytes
+from ..lora.manager import LoRAManager
+from ..lora.merge import build_merger
+from ..model import packed_gemm, quantization
+from ..model.causal_lm import CausalLM, projection_tensors
+from ..model.forward_batch import ForwardBatch
+from ..model.layers import rope_tables
+from ..model.loader.source import ModelSource
+from ..sample.grammar_steps import GrammarSteps
+from ..sample.prompt_logprobs import PromptLogprobs
+from ..sample.sampling import NON_FINITE, SamplingParams, sample
+from ..sample.structured_output import GrammarCompiler, GrammarError
+from ..sequence import Sequence
+from ..tokenizer import Tokenizer
+from . import compiled_stack
 from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import DecodeGraphs, GraphShape
-from .errors import AdapterOutputError
-from .forward_batch import ForwardBatch
-from .kv_cache import KVCacheManager, kv_cache_size
-from .kv_cache.sizing import format_bytes
-from .step_output import AdmitOutcome, StepOutput
-from .layers import rope_tables
-from .lora_manager import LoRAManager
-from .lora_merge import build_merger
-from . import heap, quantization
-from .model import CausalLM, projection_tensors
-from .model_source import ModelSource
-from .prompt_logprobs import PromptLogprobs
-from .sampling import NON_FINITE, SamplingParams, sample
-from .sequence import Sequence
 from .step_ahead import StepAhead
-from .grammar_steps import GrammarSteps
-from .structured_output import GrammarCompiler, GrammarError
-from .tokenizer import Tokenizer
+from .step_output import AdmitOutcome, StepOutput
 
 
 HOST_CACHE_SHARE = 8  # default host cache of adapters: 1/8 of the memory available at start
@@ -149,7 +150,7 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self._grammar_steps = GrammarSteps(config.grammar_limits(), mc.vocab_size, self.device.type == "cuda")
         if self._compiled:
-            compile_policy.compile_model(self.model, self.inductor_cache_dir, config.precompile)
+            compiled_stack.compile_model(self.model, self.inductor_cache_dir, config.precompile)
         # Decode steps replay CUDA graphs where the step is compiled (eager LoRA reads slots on the host).
         self._graphs = (DecodeGraphs(config.max_num_seqs, config.max_seq_len, self.device)
                         if config.cuda_graphs and self._compiled and self.device.type == "cuda" else None)

@@ -5,9 +5,7 @@ import argparse
 import sys
 import time
 
-from .config import EngineConfig
-from .engine import Engine
-from .sampling import SamplingParams
+from lora_compile import Engine, EngineConfig, SamplingParams
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ModelConfig
 from . import quantization
-from .config import ModelConfig
 from .forward_batch import LoRABatch
 from .packed_gemm import linear, prepack
 
@@ -161,7 +161,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(n_stored, *b_shape, dtype=dtype, device=device), persistent=False)
         self.max_loras = max_loras
         # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading;
-        # while a lone adapter runs merged (lora_merge), weight_packed is that adapter's merged pack.
+        # while a lone adapter runs merged (lora/merge.py), weight_packed is that adapter's merged pack.
         self.register_buffer("weight_packed", None, persistent=False)
 
     def b_rows(self, i: int) -> slice:

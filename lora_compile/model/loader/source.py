@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...config import ModelConfig, cache_root
+from ...errors import CheckpointError
 from .checkpoint import SafetensorsCheckpoint
-from .config import ModelConfig, cache_root
-from .errors import CheckpointError
 from .gguf_checkpoint import GGUFCheckpoint, is_gguf
 from .gguf_tokenizer import build_tokenizer, tokenizer_config
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import EngineConfig
+from ..config import EngineConfig
+from ..model.forward_batch import PLACEHOLDER_KEYS, AttentionMetadata, LoRABatch
+from ..sequence import Sequence
 from .cuda_graphs import GraphShape
-from .forward_batch import PLACEHOLDER_KEYS, AttentionMetadata, LoRABatch
-from .sequence import Sequence
 
 
 @dataclass(slots=True)

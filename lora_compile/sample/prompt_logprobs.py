@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .sequence import Sequence
+from ..sequence import Sequence
 
 
 class PromptLogprobs:

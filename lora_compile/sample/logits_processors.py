@@ -20,7 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from .sampling import SamplingParams
-    from .sequence import Sequence
+    from ..sequence import Sequence
 
 
 class _Growable:

@@ -1,6 +1,6 @@
 """llama.cpp's GGUF files, read with `gguf` (llama.cpp's own Python reader): the config from the file's metadata,
 and weights under the Hugging Face names the engine asks for, one tensor at a time: dequantised at load (get), or,
-for a projection kept in its 4-bit form (lora_compile/quantization/), as the file's own codes and scales (get_quantized).
+for a projection kept in its 4-bit form (lora_compile/model/quantization/), as the file's own codes and scales (get_quantized).
 
 The file is memory-mapped; a tensor is dequantised (numpy, float32) only when the model copies it into place, so
 loading holds one dequantised tensor at a time beside the engine's weights.
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import CheckpointError
+from ...errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 # Tensor types dequantised at load (the gguf package's own dequantisers). Others are refused by name at open.
@@ -138,7 +138,7 @@ class GGUFCheckpoint:
     def get_quantized(self, name: str, shape: tuple[int, int]):
         """`name`'s tensor as int4 groups of 32 exactly as stored (quantization.from_gguf_blocks; Q4_0, Q4_1 and Q4_K
         only), rows in Hugging Face's order."""
-        from .quantization import from_gguf_blocks
+        from ..quantization import from_gguf_blocks
 
         gguf_name = self._gguf_name(name)
         tensor = self._tensors[gguf_name]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import re2
 
-from .errors import AdapterError
-from .model import LORA_TARGETS
+from ..errors import AdapterError
+from ..model.causal_lm import LORA_TARGETS
 
 MAX_CONFIG_BYTES = 1 << 20   # a PEFT adapter_config.json is a few KiB
 MAX_CONFIG_DEPTH = 32        # nested JSON arrays / objects; PEFT's configs nest a few levels

@@ -3,10 +3,10 @@
 
 Names come from the registry (register: name → directory) or, on demand, from the adapter directories: a name
 that is not registered is looked up as `<adapter dir>/<name>/` after the name itself has been checked (no file is
-touched for a bad name). Reading an adapter into the host cache runs on the loader's threads (adapter_loader.py),
+touched for a bad name). Reading an adapter into the host cache runs on the loader's threads (loader.py),
 once however many requests ask for it; only the copy into a device slot runs in the engine thread, between steps.
 A device slot is pinned while any admitted sequence uses its adapter; only unpinned slots are evicted, so a
-running sequence never loses its weights (the slots themselves: lora_slots.py). A load that fails is remembered
+running sequence never loses its weights (the slots themselves: slots.py). A load that fails is remembered
 with the files' identity: requests for that adapter fail at once with the same error until its files change
 (never retried in a loop); so is an adapter whose weights overflow at run time (mark_failed), a registered one
 until it is registered again or unloaded.
@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from .adapter_loader import AdapterLoader, LoadResult
+from ..config import ModelConfig
+from ..errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterNotReadyError, AdapterPathError
+from ..kv_cache.hashing import BASE_MODEL_KEY
+from ..model.causal_lm import CausalLM
 from .adapters import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapter, check_adapter_name, load_adapter
-from .config import ModelConfig
-from .errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterNotReadyError, AdapterPathError
-from .kv_cache.hashing import BASE_MODEL_KEY
-from .lora_slots import DeviceSlots
-from .model import CausalLM
+from .loader import AdapterLoader, LoadResult
+from .slots import DeviceSlots
 
 TIERS = ("disk", "host", "device")
 

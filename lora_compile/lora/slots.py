@@ -9,8 +9,8 @@ from collections import OrderedDict
 
 import torch
 
+from ..model.causal_lm import CausalLM
 from .adapters import LoRAAdapter
-from .model import CausalLM
 
 
 class DeviceSlots:

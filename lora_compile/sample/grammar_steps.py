@@ -23,7 +23,7 @@ import torch
 from .structured_output import GrammarError, GrammarLimits, in_our_words
 
 if TYPE_CHECKING:
-    from .sequence import Sequence
+    from ..sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from .logits_processors import SamplingTensors, apply_logit_bias_and_penalties, 
 from .structured_output import StructuredOutput, apply_bitmask
 
 if TYPE_CHECKING:
-    from .sequence import Sequence
+    from ..sequence import Sequence
 
 
 NON_FINITE = -1  # the token sample() gives a row whose logits hold NaN or infinity

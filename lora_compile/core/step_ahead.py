@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv_cache import KVCacheManager
+from ..sequence import Sequence
 from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import GraphShape
-from .kv_cache import KVCacheManager
-from .sequence import Sequence
 
 
 @dataclass

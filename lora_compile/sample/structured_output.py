@@ -28,11 +28,11 @@ import llguidance
 import llguidance.torch as llg_torch
 import torch
 
-from .errors import GrammarError  # noqa: F401 (re-exported: where the service catches it)
-from .host_memory import release_free_heap, resident_bytes
+from ..errors import GrammarError  # noqa: F401 (re-exported: where the service catches it)
+from ..host_memory import release_free_heap, resident_bytes
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
 # What a request may constrain its output to, and the llguidance format each is compiled from.
 KINDS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}

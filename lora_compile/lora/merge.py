@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from . import packed_gemm
-from .host_memory import available_memory_bytes
-from .layers import LoRALinear
-from .model import CausalLM
+from ..host_memory import available_memory_bytes
+from ..model import packed_gemm
+from ..model.causal_lm import CausalLM
+from ..model.layers import LoRALinear
 
 log = logging.getLogger(__name__)
 
