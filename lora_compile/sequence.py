@@ -42,6 +42,19 @@ class Sequence:
     generator: torch.Generator | None = None
     sampler_state: SequenceSamplerState | None = None  # logit_bias and penalties (logits_processors)
     grammar: Any = None  # sampling.structured_output's matcher (llguidance.LLMatcher), set at admission
+    # Scheduling (core/scheduler.py): the call it belongs to (its share of the batch; None: its own), the sibling
+    # choice whose prefill computes its shared prompt (n > 1), whether its caller ended it, its adapter's read
+    # into host memory (a Future; when it began waiting, the read's wall-clock (start, end)), the sequences
+    # admitted past it while it waited for an adapter slot, and the wall clock (time.time_ns) at the start and the
+    # end of its admission (the end after any adapter copy into a device slot).
+    group: Any = None
+    waits_for: Sequence | None = None
+    aborted: bool = False
+    adapter_load: Any = None
+    adapter_wait_ns: int | None = None
+    adapter_read: tuple[int, int] | None = None
+    overtaken: int = 0
+    admission_ns: tuple[int, int] = (0, 0)
 
     @property
     def num_tokens(self) -> int:

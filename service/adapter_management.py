@@ -11,7 +11,7 @@ from pathlib import Path
 from lora_compile.lora.manager import AdapterInfo
 from service.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from service.limits import MAX_NAME_CHARS
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,11 @@ from lora_compile import errors as engine_errors
 
 log = logging.getLogger(__name__)
 
+# The engine's adapter errors, as the doors see them: a door imports no engine module (tests/test_import_rules.py).
+AdapterError = engine_errors.AdapterError
+AdapterNameError = engine_errors.AdapterNameError
+AdapterPathError = engine_errors.AdapterPathError
+
 
 @dataclass(frozen=True)
 class FieldViolation:

@@ -37,7 +37,7 @@ from service.limits import (
     RequestLimits,
 )
 from service.runner.request import GenerationRequest, ModelInfo
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 
 TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop (the tokenizer thread)
 

@@ -23,7 +23,7 @@ from service.lifecycle import ServingState
 from service.limits import RequestLimits
 from service.prepare import Preparer
 from service.runner.observer_group import ObserverGroup
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 from service.security import SecurityConfig
 from service.telemetry.access_log import AccessLog
 from service.telemetry.http_tracing import HttpTracer

@@ -115,11 +115,11 @@ def test_engine_step_failure_fails_that_step_and_frees_every_slot(served, monkey
     start = (engine.kv_cache.num_free_blocks, engine.adapters.num_free_slots)
     real_step, failed = engine.step, threading.Event()
 
-    def flaky_step(seqs, *args, **kwargs):
-        if len(seqs) >= 4 and not failed.is_set():  # once, with all four streams in the batch
+    def flaky_step(plan, *args, **kwargs):  # the scheduler's SchedulerOutput, or a reference run's list
+        if len(getattr(plan, "scheduled", plan)) >= 4 and not failed.is_set():  # once, with all four streams in the batch
             failed.set()
             raise RuntimeError("simulated device error")
-        return real_step(seqs, *args, **kwargs)
+        return real_step(plan, *args, **kwargs)
 
     monkeypatch.setattr(engine, "step", flaky_step)
     streams = [BackgroundStream(served, "The river", adapter=a, max_new_tokens=200, ignore_eos=True)
@@ -138,16 +138,17 @@ def test_engine_step_failure_fails_that_step_and_frees_every_slot(served, monkey
 
 
 def test_admission_failure_fails_only_that_request(served, monkeypatch):
-    """Engine.admit raising something unexpected: INTERNAL for that request, the rest go on, nothing leaks."""
+    """The scheduler's admit raising something unexpected: INTERNAL for that request, the rest go on, nothing
+    leaks."""
     engine = served.engine
-    real_admit = engine.admit
+    real_admit = engine.scheduler.admit
 
     def admit(seq, *args, **kwargs):
         if seq.adapter == "scribe":
             raise RuntimeError("simulated admission bug")
         return real_admit(seq, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "admit", admit)
+    monkeypatch.setattr(engine.scheduler, "admit", admit)
     base = BackgroundStream(served, "Once upon a time", max_new_tokens=40, ignore_eos=True)
     with served.client() as client, pytest.raises(InternalError, match="simulated admission bug"):
         client.complete("Hi", adapter="scribe", max_new_tokens=4)

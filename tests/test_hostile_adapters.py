@@ -192,9 +192,9 @@ def test_overflowing_weights_mark_the_adapter_bad_at_its_first_failure(served, l
     stepped: list[set] = []
     real_step = engine.step
 
-    def recording_step(seqs, *args, **kwargs):
-        stepped.append({s.adapter for s in seqs})
-        return real_step(seqs, *args, **kwargs)
+    def recording_step(plan, *args, **kwargs):  # the scheduler's SchedulerOutput, or a reference run's list
+        stepped.append({s.adapter for s in getattr(plan, "scheduled", plan)})
+        return real_step(plan, *args, **kwargs)
 
     monkeypatch.setattr(engine, "step", recording_step)
     other, _ = _other_tenant(served)

@@ -1,7 +1,8 @@
 """Where the engine's code may reach (docs/architecture.md, "The engine's parts"): read from the source with ast,
 so a new import that breaks a rule fails here, not in a reader's head.
 
-- lora_compile imports nothing from the service, the demo, the benchmarks or the tests;
+- lora_compile imports nothing from the service, the demo, the benchmarks or the tests, and the service's doors
+  (gRPC, HTTP), telemetry and SDK import nothing of lora_compile (they reach it through the runner and the front);
 - no import cycle among its modules (imports inside functions count; `if TYPE_CHECKING:` ones, for annotations
   only, do not);
 - its sub-packages import downwards only: `model/` (families, layers, attention, loaders, weight forms),
@@ -138,3 +139,17 @@ def test_the_rules_see_the_imports_they_judge():
     assert "lora_compile.core.compiled_stack" in graph["lora_compile.core.engine"]
     assert "lora_compile.model.attention_sdpa" in graph["lora_compile.model.forward_batch"]  # inside a function
     assert "lora_compile.sequence" not in graph["lora_compile.sample.sampling"]  # annotations only
+
+
+# The service's parts that must not reach the engine but through service/runner/ (its only holder), the request
+# front (service/prepare.py) and the shared error mapping (service/errors.py): the two doors, telemetry, the SDK.
+DOORS = ("service/grpc_api", "service/http_api", "service/telemetry", "service/client")
+
+
+def test_the_doors_reach_the_engine_only_through_the_runner_and_the_front():
+    bad = []
+    for folder in DOORS:
+        for path in (ROOT / folder).rglob("*.py"):
+            name = _module_name(path)
+            bad += [f"{name} imports {t}" for t in _imports(path, name, {}) if t.split(".")[0] == "lora_compile"]
+    assert not bad, "a door reaches the engine directly:\n" + "\n".join(sorted(bad))

@@ -6,9 +6,9 @@ import asyncio
 import pytest
 
 from lora_compile import SamplingParams
-from service.runner import engine_thread, scheduler
+from service.runner import engine_runner, engine_thread
 from service.runner.request import GenerationRequest, RequestEventType
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 from tests.conftest import build_engine
 
 
@@ -26,8 +26,8 @@ def test_burst_on_idle_runner_shares_one_prefill_step(engine, monkeypatch):
     runner, woken by the first, still admits all of them into its first step. The gap the runner waits for is
     widened: on a loaded machine one loop turn of this test can outlast the served 2 ms (the logic is under test,
     not this machine's speed), and the burst still ends at once when the batch is full."""
-    monkeypatch.setattr(scheduler, "_BURST_GAP_S", 1.0)
-    monkeypatch.setattr(scheduler, "_BURST_MAX_S", 10.0)
+    monkeypatch.setattr(engine_runner, "_BURST_GAP_S", 1.0)
+    monkeypatch.setattr(engine_runner, "_BURST_MAX_S", 10.0)
     n = engine.config.max_batch_size
     prompts = [[3 + i, 17, 29 + i, 5] for i in range(n)]
 

@@ -95,11 +95,11 @@ def test_engine_failure_fails_only_that_step(served, monkeypatch):
     real_step = engine.step
     calls = {"n": 0}
 
-    def flaky_step(seqs, *args, **kwargs):
+    def flaky_step(plan, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated device error")
-        return real_step(seqs, *args, **kwargs)
+        return real_step(plan, *args, **kwargs)
 
     monkeypatch.setattr(engine, "step", flaky_step)
     with served.client() as client, pytest.raises(InternalError, match="simulated device error"):
@@ -214,6 +214,6 @@ def test_server_warns_when_torch_runs_outside_the_engine_thread(caplog):
         server.stop()
         return any("outside the engine thread" in r.getMessage() for r in caplog.records)
 
-    with caplog.at_level("WARNING", logger="service.runner.scheduler"):
+    with caplog.at_level("WARNING", logger="service.runner.engine_runner"):
         assert not warned(shared_engine())
         assert warned(Engine(EngineConfig(model=str(demo_paths()[0]), **LIMITS)))

@@ -393,7 +393,7 @@ def test_deadline_is_an_error(stack: Stack):
 
 def test_the_scheduler_does_not_import_telemetry():
     """Telemetry observes the runner; the runner never needs it (tracing off loads none of it)."""
-    code = ("import sys, service.runner.scheduler; "
+    code = ("import sys, service.runner.engine_runner; "
             "print(sorted(m for m in sys.modules if m.startswith(('service.telemetry', 'service.tracing'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                          capture_output=True, text=True, check=True, timeout=120)

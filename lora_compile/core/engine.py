@@ -1,7 +1,6 @@
 """The engine: a model, its KV cache and LoRA slots, and `step()` over a batch of running sequences."""
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import threading
@@ -33,6 +32,7 @@ from ..tokenizer import Tokenizer
 from . import compiled_stack
 from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import DecodeGraphs, GraphShape
+from .scheduler import Scheduler, SchedulerOutput
 from .step_ahead import StepAhead
 from .step_output import AdmitOutcome, StepOutput
 
@@ -124,14 +124,13 @@ class Engine:
                  format_bytes(held["adapters"]), format_bytes(size.nbytes))
         if self.device.type == "cpu":
             log.info(huge_pages.status())
-        self._admission_order = itertools.count()
-        self._admitted: dict[int, Sequence] = {}  # id(seq): every sequence holding KV blocks
-        self.num_preemptions = 0
         self.rope_cos, self.rope_sin = rope_tables(mc, config.max_seq_len, self.dtype, self.device)
         self.adapters = LoRAManager(
             self.model, mc, config.max_loras_per_batch, config.max_lora_rank, _host_cache_bytes(config),
             tuple(config.adapter_roots), tuple(config.adapter_dirs), config.adapter_loader_threads, self.device,
         )
+        self.scheduler = Scheduler(config, self.kv_cache, self.adapters,
+                                   lambda seq: self.check_request(seq.prompt_ids, seq.sampling), self._on_admitted)
         # Merging is float32 only: a bf16 merge would round W + BA once more than the per-token LoRA path does.
         # (a quantized base has no float weight to merge into: its adapters run unmerged)
         self._merger = build_merger(self.model, config.merge_lone_adapter,
@@ -142,7 +141,6 @@ class Engine:
         self.batch_init = BatchInit(config, self.device, mc.vocab_size, overlap=overlap)
         self.ahead = (StepAhead(self.batch_init, self.kv_cache, lambda single: self._graph_shape(single, []),
                                 config.max_seq_len) if overlap else None)
-        self._epoch = 0  # admissions and releases so far: a step built ahead is for the sequences of its epoch
         self._rng = random.Random(config.seed)
         self._compiled = config.compile
         self._warmed_up = False
@@ -165,7 +163,11 @@ class Engine:
     @property
     def num_running(self) -> int:
         """Sequences admitted and holding KV blocks."""
-        return len(self._admitted)
+        return self.scheduler.num_running
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -198,85 +200,26 @@ class Engine:
                 f"max_seq_len {self.config.max_seq_len}"
             )
 
-    def _kv_tokens_at_admission(self, seq: Sequence) -> int:
-        """Positions whose blocks admission takes: its known tokens ("lazy": it grows as it decodes), or every
-        position it may write ("reserve": prompt + max_new_tokens - 1, the last sampled token is never written)."""
-        if self.config.kv_growth == "reserve":
-            return min(len(seq.prompt_ids) + seq.sampling.max_new_tokens - 1, self.config.max_seq_len)
-        return seq.num_tokens
-
-    def admit(self, seq: Sequence, read_adapter: bool = True) -> AdmitOutcome:
-        """Pin the sequence's adapter in a device slot and give it KV blocks for its prompt (cached ones where its
-        prefix is cached): ADMITTED, or what it waits for (nothing changed). Sets seq.adapter_loaded: whether
-        admission copied the adapter into a device slot. read_adapter=False: an adapter not in host memory raises
-        AdapterNotReadyError instead of being read in this thread. A preempted sequence is admitted the same way
-        and recomputes what the cache no longer holds."""
-        assert not seq.is_admitted, "sequence already admitted"
-        self.check_request(seq.prompt_ids, seq.sampling)
-        if len(self._admitted) >= self.config.max_num_seqs:
-            return AdmitOutcome.NO_SEQ_SLOT
-        acquired = self.adapters.acquire(seq.adapter, read_adapter)
-        if acquired is None:
-            return AdmitOutcome.NO_ADAPTER_SLOT
-        slot, loaded = acquired
-        if not self.kv_cache.allocate(seq, self.adapters.cache_key(slot), self._kv_tokens_at_admission(seq),
-                                      self._blocks_due()):
-            self.adapters.release(slot)
-            return AdmitOutcome.NO_KV_BLOCKS
-        seq.lora_slot, seq.adapter_loaded = slot, loaded
-        seq.admitted_at = next(self._admission_order)
-        self._admitted[id(seq)] = seq
-        self._epoch += 1
-        if not seq.sampling.greedy and seq.generator is None:  # kept across preemption: the same random stream
+    def _on_admitted(self, seq: Sequence) -> None:
+        """What a step needs of a newly admitted sequence: its random stream and its grammar's matcher, both kept
+        across preemption (the same draws, the same grammar state)."""
+        if not seq.sampling.greedy and seq.generator is None:
             seed = seq.sampling.seed if seq.sampling.seed is not None else self._rng.getrandbits(63)
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
-        if seq.sampling.structured_output is not None and seq.grammar is None:  # kept across preemption too
+        if seq.sampling.structured_output is not None and seq.grammar is None:
             seq.grammar = self.grammars.matcher(seq.sampling.structured_output)
-        return AdmitOutcome.ADMITTED
 
-    def _blocks_due(self) -> int:
-        """Blocks the running sequences take at their next step ("lazy": those whose next position starts a
-        block). Admission leaves them free, as vLLM schedules running requests before waiting ones: a new
-        sequence is not admitted only to be preempted by the next step's growth."""
-        if self.config.kv_growth == "reserve":
-            return 0
-        bs = self.kv_cache.block_size
-        return sum(1 for s in self._admitted.values() if len(s.block_table) * bs < s.num_tokens)
+    # Admission and release outside the service's queue (offline loops, tests): the scheduler's own.
+    def admit(self, seq: Sequence, read_adapter: bool = True) -> AdmitOutcome:
+        return self.scheduler.admit(seq, read_adapter)
 
     def try_admit(self, seq: Sequence, read_adapter: bool = True) -> bool:
         """admit() as a bool: False (nothing changed) when a sequence slot, KV blocks or an adapter slot is short."""
-        return self.admit(seq, read_adapter) is AdmitOutcome.ADMITTED
+        return self.scheduler.admit(seq, read_adapter) is AdmitOutcome.ADMITTED
 
     def release(self, seq: Sequence) -> None:
         """Free the sequence's KV blocks (cached ones stay findable) and unpin its adapter; idempotent."""
-        if self._admitted.pop(id(seq), None) is None:
-            return
-        self._epoch += 1
-        self.kv_cache.free(seq)
-        self.adapters.release(seq.lora_slot)
-        seq.lora_slot = 0
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.release(seq)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-
-    def _grow(self, seqs: SequenceLike[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        """Blocks for every position each sequence computes next, oldest first; where none is free, the newest
-        running sequence is preempted (vLLM's recompute preemption). Returns (runnable, preempted)."""
-        runnable = sorted(seqs, key=lambda q: q.admitted_at)
-        preempted: list[Sequence] = []
-        i = 0
-        while i < len(runnable):
-            seq = runnable[i]
-            if self.kv_cache.grow(seq, seq.num_tokens):
-                i += 1
-                continue
-            victim = runnable.pop()  # the newest (possibly seq itself: then it waits)
-            self._preempt(victim)
-            preempted.append(victim)
-        return runnable, preempted
+        self.scheduler.release(seq)
 
     # --- one step -----------------------------------------------------------------------------------
     def _forward_batch(self, inputs: StepInputs) -> ForwardBatch:
@@ -294,15 +237,20 @@ class Engine:
         return self._graphs.shape(len(single), max(p.start for p in single) + 1)
 
     @torch.inference_mode()
-    def step(self, seqs: SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
-        """Run one forward over `seqs` and give each sequence that completed its tokens one new token."""
+    def step(self, batch: SchedulerOutput | SequenceLike[Sequence], return_logits: bool = False) -> StepOutput:
+        """Run one forward over the batch and give each sequence that completed its tokens one new token: a
+        SchedulerOutput (its blocks taken by Scheduler.schedule), or admitted sequences, which the scheduler
+        grows first (offline loops, tests)."""
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        ahead = self.ahead.take(seqs, self._epoch) if self.ahead is not None else None
+        if isinstance(batch, SchedulerOutput):
+            seqs, preempted = batch.scheduled, []
+        else:
+            seqs, preempted = self.scheduler.grow(batch)
+        ahead = self.ahead.take(seqs, self.scheduler.epoch) if self.ahead is not None else None
         if ahead is not None:  # built while the last step ran (step_ahead): its blocks are taken, its ids written
-            single, chunks, preempted, merged, merge_s, graph = ahead.planned, [], [], ahead.merged, 0.0, ahead.graph
+            single, chunks, merged, merge_s, graph = ahead.planned, [], ahead.merged, 0.0, ahead.graph
             inputs = ahead.inputs
         else:
-            seqs, preempted = self._grow(seqs)
             if not seqs:  # (only when one sequence alone cannot grow: it waits to be admitted again)
                 return StepOutput([], [], preempted=[q.seq_id for q in preempted], start_ns=start_ns)
             single, chunks = self.batch_init.plan(seqs)
@@ -321,7 +269,7 @@ class Engine:
         ahead_s = 0.0
         if self.ahead is not None and single and not chunks and self._warmed_up:  # the device runs this step
             t_ahead = time.perf_counter()
-            self.ahead.prepare(single, merged, self._epoch)
+            self.ahead.prepare(single, merged, self.scheduler.epoch)
             ahead_s = time.perf_counter() - t_ahead
         bitmask, grammar_failed = self._grammar_steps.masks(sampled)
         t2 = time.perf_counter()
@@ -334,7 +282,7 @@ class Engine:
             prompt.record()
         for p in (*single, *chunks):
             p.seq.num_computed_tokens += p.length
-            if id(p.seq) in self._admitted:  # (warm-up's throwaway sequences write only the null block)
+            if self.scheduler.holds(p.seq):  # (warm-up's throwaway sequences write only the null block)
                 self.kv_cache.cache_full_blocks(p.seq)
         token_ids = result.token_ids if result else []
         failed: dict[str, AdapterOutputError] = {}
@@ -456,10 +404,12 @@ class Engine:
             Sequence(i, self.tokenizer.encode(p) if isinstance(p, str) else list(p), params[i], names[i])
             for i, p in enumerate(prompts)
         ]
+        # Its own queue, admitted through the scheduler's primitives: a server's queue may share this engine (a
+        # reference run between its steps), and this loop must neither run nor release that queue's sequences.
         waiting, running = deque(seqs), []
         try:
             while waiting or running:
-                while waiting and self.try_admit(waiting[0]):
+                while waiting and self.try_admit(waiting[0]):  # (reads an adapter in this thread where needed)
                     running.append(waiting.popleft())
                 if not running:
                     raise RuntimeError("no capacity to admit a sequence: check max_num_seqs / max_loras_per_batch / "

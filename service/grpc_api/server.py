@@ -19,7 +19,7 @@ from service.grpc_api.servicers import AdaptersServicer, GenerationServicer
 from service.lifecycle import ServingState
 from service.limits import RequestLimits
 from service.prepare import Preparer
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 from service.security import SecurityConfig, TlsConfig
 from service.telemetry.interceptor import TracingInterceptor
 

@@ -18,7 +18,7 @@ from service.errors import FieldViolation, InvalidArgument
 from service.grpc_api.params import add_generation_prompt, chat_messages, from_proto
 from service.prepare import Preparer
 from service.runner.request import RequestOutput
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 
 _FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,

@@ -29,7 +29,7 @@ from service.http_api.tool_calls import ToolPlan, plan_tools
 from service.generate_params import GenerateParams
 from service.lifecycle import ServingState
 from service.prepare import Preparer
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 from service.security import BearerAuth, SecurityConfig
 from service.telemetry.http_tracing import HttpTracer
 from service.telemetry.prometheus import CONTENT_TYPE, PrometheusMetrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 
 
 def model_cards(runner: EngineRunner) -> list[dict[str, Any]]:

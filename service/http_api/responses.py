@@ -25,7 +25,7 @@ from service.http_api.tool_calls import ToolPlan, answer, tool_finish_reason
 from service.http_api.tool_stream import ToolCallStream, ToolDelta
 from service.runner.parent_request import ParentRequest
 from service.runner.request import GenerationRequest, RequestOutput
-from service.runner.scheduler import EngineRunner
+from service.runner.engine_runner import EngineRunner
 from service.telemetry.http_tracing import HttpTracer
 
 _FINISH = {"length": "length", "stop": "stop", "eos": "stop", "grammar": "stop", "cancelled": "abort"}  # abort: vLLM's word

@@ -17,10 +17,9 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from lora_compile.errors import AdapterError, AdapterNameError, AdapterPathError
 from service.adapter_management import AdapterManagement
 from service.chat_template import render_chat
-from service.errors import FieldViolation, InvalidArgument, Unavailable
+from service.errors import AdapterError, AdapterNameError, AdapterPathError, FieldViolation, InvalidArgument, Unavailable
 from service.http_api.errors import HttpError, error_body, error_response
 from service.http_api.model_cards import model_cards
 from service.http_api.protocol import dumped

@@ -1,5 +1,5 @@
 """EngineDoor: the service's door to the engine (model facts, tokenizer, adapters): nothing else in service/
-touches the engine object. EngineRunner (scheduler.py) is one; these calls need none of its scheduling state."""
+touches the engine object. EngineRunner (engine_runner.py) is one; these calls need none of its state."""
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,4 @@
-"""What the runner reports (service/runner/scheduler.py): each iteration's result, a snapshot for metrics, and the
+"""What the runner reports (service/runner/engine_runner.py): each iteration's result, a snapshot for metrics, and the
 observer protocol that reads them. Observers read; they never steer the scheduler."""
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class IterationResult:
     admitted: list[RequestState]
     rejected: list[tuple[RequestState, Exception]]
     stepped: list[RequestState]
+    preempted: list[RequestState] = field(default_factory=list)
     step_error: Exception | None = None
     step: StepOutput | None = None
     adapter_events: list = field(default_factory=list)  # lora.manager.AdapterEvent: loads, copies, evictions

@@ -1,5 +1,5 @@
-"""RequestState: one sequence (one choice of a request) between the runner and its stream handler: its outputs,
-lifecycle events, and what admission needs to know about it."""
+"""RequestState: one sequence (one choice of a request) between the runner and its stream handler: its outputs
+and lifecycle events (what the scheduler needs of it is on its Sequence)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,23 +29,24 @@ class RequestState:
     processor: OutputProcessor
     index: int = 0          # the choice's index in its ParentRequest (prompt_index * n + i)
     parent: ParentRequest | None = None
-    # The choice whose prefill computes this one's prompt: admission holds this one until that prompt's blocks
-    # are in the prefix cache, so it reads them instead of computing them again (n > 1).
-    waits_for: RequestState | None = None
-    aborted: bool = False   # the client went away (cancel, deadline, stream closed)
     done: bool = False      # the last output (or an error) is pending
     closed: bool = False    # the handler is gone; no longer counted as an open stream
-    queued: bool = False    # in the runner's queue or batch (a call's choices past its share wait in its backlog)
-    # Append-only (the engine thread stamps admission while the loop may read): readers keep their own index.
+    queued: bool = False    # handed to the scheduler (a call's choices past its share wait in its backlog)
+    running: bool = False   # admitted and not preempted since, as the last step's SchedulerOutput said
+    # Append-only (read by observers while the runner appends): readers keep their own index.
     events: list[RequestEvent] = field(default_factory=list)
-    # Adapter admission (admission.py): the host load it waits on, when it began waiting, the read's (start, end)
-    # wall clock, and how many requests were admitted past it while it waited for a device slot.
-    adapter_load: Any = None
-    adapter_wait_ns: int | None = None
-    adapter_read: tuple[int, int] | None = None
-    overtaken: int = 0
     _pending: RequestOutput | Exception | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def aborted(self) -> bool:
+        """The client went away (cancel, deadline, stream closed), or the runner ended it: the scheduler drops its
+        sequence at its next step (Sequence.aborted)."""
+        return self.seq.aborted
+
+    @aborted.setter
+    def aborted(self, value: bool) -> None:
+        self.seq.aborted = value
 
     def record_event(self, type: RequestEventType, time_ns: int | None = None, **fields: Any) -> None:
         self.events.append(RequestEvent(type, time.time_ns() if time_ns is None else time_ns, fields or None))

@@ -1,13 +1,13 @@
-"""EngineRunner: the asyncio scheduler between the servicers and the engine (continuous batching).
+"""EngineRunner: the asyncio bridge between the servicers and the engine (continuous batching).
 
-A waiting queue (FIFO) and a running set. Each loop iteration makes ONE call into the engine thread that
-  1. releases sequences that finished or were aborted since the last step,
-  2. admits waiting requests (admission.py: first come first served, but a request whose adapter is still being
-     read, or waits for a device slot, does not hold up the others; adapters are read on the loader threads),
-  3. runs `engine.step(running)`,
-and then, back on the event loop, turns each sequence's new tokens into a RequestOutput on its queue.
-All engine calls run in the process's one engine thread (engine_thread.py), so they never overlap and the
-event loop keeps streaming.
+The engine's Scheduler (lora_compile/core/scheduler.py) owns the queue, the batch and every admission decision.
+The runner submits, streams and aborts: each loop iteration makes ONE call into the engine thread that
+  1. hands the scheduler the choices queued since the last step, and the sequences that ended outside a step
+     (finished by a stop string, failed, cancelled),
+  2. runs `scheduler.schedule()` and `engine.step()` on its SchedulerOutput,
+and then, back on the event loop, turns each sequence's new tokens into a RequestOutput on its queue and each
+refusal into its status. All engine calls run in the process's one engine thread (engine_thread.py), so they
+never overlap and the event loop keeps streaming.
 
 Telemetry observes, it does not steer: the runner stamps lifecycle events on each request (RequestState.events,
 always; a few per request) and hands them, with each StepOutput, to an optional RunnerObserver.
@@ -17,16 +17,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine, Sequence
-from lora_compile.errors import AdapterError
 from service.errors import EngineFailure, QueueFull, TooManyStreams, Unavailable
 from service.limits import RequestLimits
-from service.runner.admission import admit, load_error, start_load, step_error
+from service.runner.statuses import load_error, step_error
 from service.runner.engine_door import EngineDoor
 from service.runner.output import OutputProcessor
 from service.runner.parent_request import ParentRequest, fan_out
@@ -49,9 +47,10 @@ class EngineRunner(EngineDoor):
         # --served-model-name: the names the base model answers to, the first reported (default: its directory's)
         self.served_model_names = tuple(served_model_names) or (engine.model_name,)
         self.observer = observer  # None: tracing off (the only check on the hot path)
-        self._waiting: deque[RequestState] = deque()
-        self._running: list[RequestState] = []
-        self._to_release: list[Sequence] = []   # engine.release at the start of the next iteration
+        self.scheduler = engine.scheduler
+        self._states: dict[int, RequestState] = {}  # seq_id: every choice handed to the scheduler, until it ends
+        self._new: list[Sequence] = []             # queued since the last iteration: the scheduler's next
+        self._to_finish: list[Sequence] = []       # ended outside a step: the scheduler releases them next
         self._seq_ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
@@ -61,7 +60,9 @@ class EngineRunner(EngineDoor):
         self._open_streams = 0  # add_request .. abort: handlers still streaming, finished or not
         self.max_streams = limits.max_concurrent_streams or engine.config.max_num_seqs + limits.max_queue
         # One call's share (RequestLimits.max_request_share): choices running, and queued or running, at once.
-        self._running_cap, self._in_flight_cap = limits.request_caps(engine.config.max_num_seqs)
+        running_cap, self._in_flight_cap = limits.request_caps(engine.config.max_num_seqs)
+        self.scheduler.max_running_per_group, self.scheduler.max_overtakes = running_cap, limits.max_overtakes
+        self.scheduler.on_adapter_ready = self._on_load_done
         self._paced: list[ParentRequest] = []  # calls with choices in their backlog
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -79,9 +80,10 @@ class EngineRunner(EngineDoor):
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
         except asyncio.TimeoutError:
-            for state in [*self._waiting, *self._running, *self._backlogged()]:
+            for state in [*self._states.values(), *self._backlogged()]:
                 state.finish_with(state.processor.cancel())
                 state.aborted = True
+                self._end(state)
             self._wake()
             await self._idle.wait()  # the loop releases them within one step
             return False
@@ -108,7 +110,7 @@ class EngineRunner(EngineDoor):
         if not self._accepting:
             raise Unavailable("server is draining (shutting down); retry on another replica")
         # Count against batch + queue, not the queue alone: a burst on an idle server is admitted at once.
-        in_flight = len(self._waiting) + len(self._running)
+        in_flight = len(self._states)
         capacity = self.engine.config.max_num_seqs + self.limits.max_queue
         if in_flight + sequences > capacity:
             raise QueueFull(max(0, in_flight - self.engine.config.max_num_seqs), self.limits.retry_after_s, sequences,
@@ -133,9 +135,11 @@ class EngineRunner(EngineDoor):
         for choice in choices:
             state = self._new_state(choice.request, choice.index)
             if choice.waits_for is not None:
-                state.waits_for = states[choice.waits_for]
+                state.seq.waits_for = states[choice.waits_for].seq
             states.append(state)
         parent = ParentRequest(requests[0].request_id, states, keep_finished_s=self.limits.stall_timeout_s)
+        for state in states:
+            state.seq.group = parent  # the scheduler's share per call
         for state in states[:first]:
             self._queue(state)
         if len(states) > first:
@@ -157,11 +161,16 @@ class EngineRunner(EngineDoor):
     def _queue(self, state: RequestState) -> None:
         state.queued = True
         state.record_event(RequestEventType.QUEUED)
-        start_load(self.engine, state, self._on_load_done)  # its adapter's read starts now, while it queues
+        name = state.request.adapter
+        try:  # its adapter's read starts now, while it queues
+            self.scheduler.start_load(state.seq)
+        except Exception as exc:  # noqa: BLE001 - mapped to the request's status
+            raise load_error(name, exc, self.engine.adapters.is_registered(name)) from exc
         if self.observer is not None:
             self.observer.on_added(state)
         self._open_streams += 1
-        self._waiting.append(state)
+        self._states[state.seq.seq_id] = state
+        self._new.append(state.seq)
         self._idle.clear()
         self._wake()
 
@@ -187,15 +196,16 @@ class EngineRunner(EngineDoor):
         if not state.aborted:
             state.aborted = True
             state.done = True
+            self._end(state)
             self._wake()
 
     def adapter_users(self, name: str) -> int:
         """In-flight (waiting or running) requests that use adapter `name`."""
-        return sum(1 for s in (*self._waiting, *self._running) if s.request.adapter == name and not s.done)
+        return sum(1 for s in self._states.values() if s.request.adapter == name and not s.done)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + sum(len(p.backlog) for p in self._paced)
+        return sum(1 for s in self._states.values() if not s.running) + sum(len(p.backlog) for p in self._paced)
 
     def _backlogged(self) -> list[RequestState]:
         return [s for p in self._paced for s in p.backlog]
@@ -214,7 +224,7 @@ class EngineRunner(EngineDoor):
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return sum(1 for s in self._states.values() if s.running)
 
     @property
     def num_open_streams(self) -> int:
@@ -230,8 +240,8 @@ class EngineRunner(EngineDoor):
         """A snapshot for metrics; cheap (no engine call: the KV counters are plain attributes), read on the
         event loop."""
         cfg, adapters, kv = self.engine.config, self.engine.adapters, self.engine.kv_cache
-        running = [s for s in self._running if not s.done]
-        waiting = [s for s in (*self._waiting, *self._backlogged()) if not s.aborted]
+        running = [s for s in self._states.values() if s.running and not s.done]
+        waiting = [s for s in (*self._states.values(), *self._backlogged()) if not s.running and not s.aborted]
         device, host = adapters.residency()
         return SchedulerStats(
             num_running=len(running), num_waiting=len(waiting), kv_cache_usage=kv.usage,
@@ -250,29 +260,28 @@ class EngineRunner(EngineDoor):
 
     async def _loop(self) -> None:
         while True:
-            self._sweep_aborted()
             self._refill()
-            if not (self._waiting or self._running or self._to_release):
+            if not (self._states or self._to_finish):
                 self._idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if not self._running and self._waiting:
+            if not self.num_running and self._new:
                 await self._gather_burst()
             self._wakeup.clear()
-            to_release, self._to_release = self._to_release, []
-            candidates = list(self._waiting)
+            new, self._new = self._new, []
+            to_finish, self._to_finish = self._to_finish, []
             try:
-                result = await engine_thread.run(
-                    self._engine_iteration, to_release, candidates, list(self._running))
+                result = await engine_thread.run(self._engine_iteration, new, to_finish)
                 self._apply(result)
             except Exception:  # noqa: BLE001 - a scheduler bug must not leave every stream hanging
                 log.exception("scheduler iteration failed; failing all in-flight requests")
                 self._fail_all(EngineFailure("scheduler failure; see the server log"))
                 continue
-            if not result.stepped and not to_release and not result.admitted and not result.rejected:
+            if not result.stepped and not to_finish and not result.admitted and not result.rejected \
+                    and not self._new:
                 # Nothing running and the head of the queue cannot be admitted (e.g. its adapter has no free
-                # slot): sleep until a new request, an abort or a release wakes us.
+                # slot): sleep until a new request, an abort, a release or an adapter read wakes us.
                 await self._wakeup.wait()
 
     def _on_load_done(self, _future) -> None:
@@ -293,7 +302,7 @@ class EngineRunner(EngineDoor):
         CPU), and not once a batch is waiting. A lone request on an idle server pays _BURST_GAP_S."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _BURST_MAX_S
-        while len(self._waiting) < self.engine.config.max_num_seqs:
+        while len(self._new) < self.engine.config.max_num_seqs:
             self._wakeup.clear()
             timeout = min(_BURST_GAP_S, deadline - loop.time())
             if timeout <= 0:
@@ -304,47 +313,58 @@ class EngineRunner(EngineDoor):
                 return
 
     def _fail_all(self, error: Exception) -> None:
-        for state in [*self._waiting, *self._running, *self._backlogged()]:
+        for state in [*self._states.values(), *self._backlogged()]:
             state.finish_with(error)
             state.aborted = True
+            self._end(state)
 
-    def _sweep_aborted(self) -> None:
-        if any(s.aborted for s in self._waiting):
-            # (a waiting request holds no slots, unless an iteration failed between admitting and moving it)
-            self._to_release += [s.seq for s in self._waiting if s.aborted and s.seq.is_admitted]
-            self._waiting = deque(s for s in self._waiting if not s.aborted)
-        for state in [s for s in self._running if s.aborted]:
-            self._running.remove(state)
-            self._to_release.append(state.seq)
+    def _end(self, state: RequestState) -> None:
+        """The choice leaves the runner: the scheduler releases its sequence at the next step."""
+        if self._states.pop(state.seq.seq_id, None) is not None:
+            state.running = False
+            self._to_finish.append(state.seq)
 
-    def _engine_iteration(self, to_release: list[Sequence], candidates: list[RequestState],
-                          running: list[RequestState]) -> IterationResult:
-        """Runs in the engine thread."""
-        for seq in to_release:
-            self._release(seq)
-        admitted, rejected = admit(self.engine, candidates, self.limits.max_overtakes, self._on_load_done,
-                                   self._running_cap, running)
-        result = IterationResult(admitted=admitted, rejected=rejected, stepped=[],
-                                 adapter_events=self.engine.adapters.take_events())
-        result.stepped = [s for s in running if not s.aborted] + result.admitted
-        if result.stepped:
+    def _engine_iteration(self, new: list[Sequence], to_finish: list[Sequence]) -> IterationResult:
+        """Runs in the engine thread: the scheduler takes what changed, plans the step, the engine runs it."""
+        for seq in new:
+            self.scheduler.add(seq)
+        for seq in to_finish:
+            self.scheduler.finish(seq)
+        plan = self.scheduler.schedule()
+        states = self._states
+        result = IterationResult(
+            admitted=[st for seq in plan.admitted if (st := states.get(seq.seq_id)) is not None],
+            rejected=[(st, exc) for seq, exc in plan.rejected if (st := states.get(seq.seq_id)) is not None],
+            stepped=[st for seq in plan.scheduled if (st := states.get(seq.seq_id)) is not None],
+            preempted=[st for seq in plan.preempted if (st := states.get(seq.seq_id)) is not None],
+            adapter_events=self.engine.adapters.take_events())
+        if plan.scheduled:
             try:
-                result.step = self.engine.step([s.seq for s in result.stepped])
+                result.step = self.engine.step(plan)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-                log.exception("engine step failed; failing its %d requests", len(result.stepped))
+                log.exception("engine step failed; failing its %d requests", len(plan.scheduled))
                 result.step_error = exc
         return result
 
     def _apply(self, result: IterationResult) -> None:
-        """Back on the event loop: move admitted requests, push outputs, schedule releases."""
-        handled = {id(s) for s in result.admitted} | {id(s) for s, _ in result.rejected}
-        self._waiting = deque(s for s in self._waiting if id(s) not in handled)
+        """Back on the event loop: stamp admissions, push outputs, end what finished or failed."""
+        for state in result.admitted:
+            seq = state.seq
+            state.running = True
+            start_ns, end_ns = seq.admission_ns
+            fields = {"start_ns": start_ns, "adapter_loaded": seq.adapter_loaded}
+            if seq.adapter_wait_ns is not None:
+                fields["adapter_wait_start_ns"] = seq.adapter_wait_ns
+            if seq.adapter_read is not None:
+                fields["adapter_read"] = seq.adapter_read
+            state.record_event(RequestEventType.ADMITTED, end_ns, **fields)
+        for state in result.preempted:  # first in line again (the scheduler's); recomputed on readmission
+            state.running = False
         for state, exc in result.rejected:
-            if isinstance(exc, AdapterError):  # its files changed since registration (re-read after eviction)
-                exc = load_error(state.request.adapter, exc, True)
             if exc is not None:  # engine errors (e.g. AdapterNotFoundError) map to statuses in errors.py
-                state.finish_with(exc)
-        self._running.extend(result.admitted)
+                name = state.request.adapter
+                state.finish_with(load_error(name, exc, self.engine.adapters.is_registered(name)) if name else exc)
+            self._end(state)
         if result.adapter_events and log.isEnabledFor(logging.DEBUG):
             for e in result.adapter_events:  # (benchmarks.many_adapters reads these lines)
                 log.debug("adapter event %s %s start_ns=%d end_ns=%d bytes=%d", e.kind, e.name, e.start_ns,
@@ -357,28 +377,19 @@ class EngineRunner(EngineDoor):
             error = EngineFailure(f"engine step failed: {type(result.step_error).__name__}: {result.step_error}")
             for state in result.stepped:
                 state.finish_with(error)
-                self._running.remove(state)
-                self._to_release.append(state.seq)
+                self._end(state)
             return
         end_ns = result.step.end_ns if result.step is not None else 0
         failed = result.step.failed_adapters if result.step is not None else {}
-        preempted = set(result.step.preempted) if result.step is not None else set()
-        if preempted:  # their blocks were taken back: first in line again, oldest first; recomputed on readmission
-            back = [s for s in result.stepped if s.seq.seq_id in preempted]
-            self._running = [s for s in self._running if s.seq.seq_id not in preempted]
-            self._waiting.extendleft(reversed(back))
         for state in result.stepped:
-            if state.seq.seq_id in preempted:
-                continue
             if len(state.seq.output_ids) == 1:  # at most one token per step: this step sampled the first
                 state.record_event(RequestEventType.FIRST_TOKEN, end_ns)
             if state.aborted:
-                continue  # swept (and released) next iteration
+                continue  # the scheduler releases it at the next step
             # Non-finite logits: this request fails, and so does every one whose adapter was found bad.
             if state.seq.finish_reason == "error" or state.request.adapter in failed:
                 state.finish_with(step_error(state, failed))
-                self._running.remove(state)
-                self._to_release.append(state.seq)
+                self._end(state)
                 continue
             try:
                 out = state.processor.process()
@@ -386,26 +397,16 @@ class EngineRunner(EngineDoor):
                 log.exception("output processing failed for request %s", state.request.request_id)
                 state.finish_with(EngineFailure(f"output processing failed: {exc}"))
                 state.aborted = True
+                self._end(state)
                 continue
             if out is None:
                 continue
             if out.finished:
                 state.finish_with(out)
-                self._running.remove(state)
-                self._to_release.append(state.seq)
+                self._end(state)
             elif not state.done:
                 state.push(out)
 
-    def _release(self, seq: Sequence) -> None:
-        try:
-            self.engine.release(seq)
-        except Exception:  # noqa: BLE001 - a failed release must not stop the loop
-            log.exception("engine.release failed for sequence %d", seq.seq_id)
-
     def _release_all(self) -> None:
-        for seq in self._to_release:
-            self._release(seq)
-        for state in [*self._waiting, *self._running]:
-            self._release(state.seq)
-        self._to_release, self._running, self._waiting = [], [], deque()
-
+        self.scheduler.release_all()
+        self._to_finish, self._new = [], []
