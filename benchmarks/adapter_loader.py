@@ -1,7 +1,7 @@
 """Does reading adapters on the loader threads slow the engine's steps? Decode step time at batch 8 (compiled,
 SmolLM2-135M-shaped, in the engine thread) while the loader reads adapters back to back, against no reads.
 
-    python -m benchmarks.adapter_loader [--adapters 64] [--rounds 5] [--threads 2]
+    python -m benchmarks.adapter_loader [--adapters 64] [--rounds 5] [--threads 2] [--no-compile] [--model-size tiny]
 
 Rounds alternate idle / loading (interleaved, medians). Then, last because its effect outlasts it, the same
 reads done the way the engine thread used to do them (safetensors' torch reader, `.float()`, torch checks and
@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 import service.runner.engine_thread as engine_thread
-from benchmarks.common import decode_step_time, smollm2_checkpoint
+from benchmarks.common import add_model_size, decode_step_time, sized_checkpoint
 from benchmarks.many_adapters import write_adapters
 from lora_compile import Engine, EngineConfig
 
@@ -72,8 +72,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="loader threads")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--no-compile", action="store_true", help="eager engine (no torch.compile: starts in seconds)")
+    add_model_size(p)
     args = p.parse_args()
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         names = write_adapters(model, root, args.adapters)

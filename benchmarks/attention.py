@@ -4,6 +4,7 @@ dynamic, traced at a small step), in the form the engine uses (lora_compile.mode
 it replaced, side by side.
 
     python -m benchmarks.attention [--batches 8 32] [--keys 80 200] [--rounds 7] [--device cuda --shape llama-1b]
+                                   [--no-compile]
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64) or Llama-3.2-1B's (32, 8, 64), float32 on
 the CPU and bfloat16 on CUDA. The same K/V held two ways: as the slot cache before paging (33 slots x 256 positions, each sequence in its own shuffled slot) and as a paged
@@ -137,14 +138,15 @@ def with_rotary(form):
     return layer_attention
 
 
-def compiled_forms(device: str, dtype) -> dict:
-    """Each form compiled once, traced at a small step (3 sequences, 8 keys) as the engine's warm-up traces."""
+def compiled_forms(device: str, dtype, compile: bool = True) -> dict:
+    """Each form compiled once, traced at a small step (3 sequences, 8 keys) as the engine's warm-up traces (compile
+    false: the forms eagerly, a check that they run and agree)."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(1)
     forms = {}
     bf16_pool = {BF16_POOL: engine_form} if dtype == torch.float32 else {}
     for name, form in {**FORMS, **bf16_pool}.items():
-        forms[name] = torch.compile(with_rotary(form), fullgraph=True)
+        forms[name] = torch.compile(with_rotary(form), fullgraph=True) if compile else with_rotary(form)
         forms[name](*make_inputs(3, 8, gen, device, dtype, form_pool_dtype(name)))
     return forms
 
@@ -174,6 +176,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bfloat16 K/V, as the engine")
     p.add_argument("--shape", choices=list(SHAPES), default="smollm2-135m")
+    p.add_argument("--no-compile", action="store_true",
+                   help="the forms eagerly (a check that they run: Inductor's code is what is measured)")
     args = p.parse_args()
     global HKV, GROUP, HEAD_DIM
     HKV, GROUP, HEAD_DIM = SHAPES[args.shape]
@@ -181,7 +185,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.device}, {args.shape}, {torch.get_num_threads()} threads")
     compile_policy.configure(None)  # the engine's Inductor settings
     with torch.no_grad():
-        forms = compiled_forms(args.device, dtype)
+        forms = compiled_forms(args.device, dtype, not args.no_compile)
         for batch in args.batches:
             for keys in args.keys:
                 measure(forms, batch, keys, args.rounds, args.device, dtype)

@@ -1,6 +1,7 @@
 """Shared benchmark pieces: the SmolLM2-135M-shaped random checkpoint and timing helpers."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -30,8 +31,29 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
+# Two layers of SmolLM2's family (its head_dim and GQA group) and the demo tokenizer's 512 ids (the benchmarks' prompts
+# are ids below 503): a checkpoint that loads and steps in well under a second, for checking that a benchmark runs
+# (`--model-size tiny`, tests/test_benchmarks_run.py); its figures mean nothing.
+TINY = SMOLLM2_135M | dict(hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
+                           num_key_value_heads=1, vocab_size=512)
+MODEL_SIZES = ("smollm2-135m", "tiny")
+
+
 def smollm2_checkpoint(root: Path | None = None) -> Path:
     return random_checkpoint("smollm2-135m-shaped", SMOLLM2_135M, root=root)
+
+
+def add_model_size(p: argparse.ArgumentParser) -> None:
+    """--model-size: the benchmark's SmolLM2-135M model (the default: the figures docs/benchmarks.md records) or the
+    tiny random one (a quick check that the benchmark runs)."""
+    p.add_argument("--model-size", choices=MODEL_SIZES, default=MODEL_SIZES[0],
+                   help="tiny: a 2-layer random checkpoint of SmolLM2's family instead, to check that the benchmark "
+                        "runs (its figures mean nothing)")
+
+
+def sized_checkpoint(size: str = MODEL_SIZES[0]) -> Path:
+    """The random checkpoint of a --model-size."""
+    return smollm2_checkpoint() if size == "smollm2-135m" else random_checkpoint("tiny-smollm2-family", TINY)
 
 
 def smollm2_dequantised(root: Path | None = None) -> Path:
@@ -279,6 +301,14 @@ def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], object]
             sync()
         return (time.perf_counter() - t0) / calls * 1e6
     return measure
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The value at rank q% of the sorted values (NaN for none)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def fmt_row(cells, widths) -> str:

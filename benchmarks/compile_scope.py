@@ -3,7 +3,7 @@ nested compile region, saved and loaded ahead of time) against the same stack le
 (`precompile=False`: Dynamo's guards run every step) and the scheme it replaced (each decoder layer its own
 compiled frame), side by side.
 
-    python -m benchmarks.compile_scope [--batches 8 32] [--rounds 5]
+    python -m benchmarks.compile_scope [--batches 8 32] [--rounds 5] [--model-size tiny]
 
 Both engines live in this one process and are measured in turn (A B A B ...). Rank-16 adapters on all seven
 projections of the SmolLM2-135M-shaped random checkpoint; decode step time in ms for the base model, one adapter
@@ -21,9 +21,10 @@ import torch
 from benchmarks.common import (
     decode_step_time,
     fmt_row,
+    add_model_size,
     interleaved,
     register_adapters,
-    smollm2_checkpoint,
+    sized_checkpoint,
     write_lora_adapters,
 )
 from lora_compile import Engine, EngineConfig, compile_policy
@@ -31,14 +32,31 @@ from lora_compile import Engine, EngineConfig, compile_policy
 N_ADAPTERS = 8
 
 
+# Set while the per-layer frames run: a frame of its own per layer cannot take the torch.cond that skips the
+# placeholder prefill group over the KV pools it writes (compile_policy.skip_placeholder_prefill), so those frames
+# trace without it, as the engine did when it compiled layer by layer; the stack's frames keep the engine's choice.
+_IN_LAYER_FRAMES = [False]
+_skip_placeholder_prefill = compile_policy.skip_placeholder_prefill
+
+
+def _skip_unless_in_layer_frames(device: torch.device) -> bool:
+    return _skip_placeholder_prefill(device) and not _IN_LAYER_FRAMES[0]
+
+
 def compile_each_layer(model) -> None:
     """The scheme the engine's one compiled stack replaced: each decoder layer its own compiled frame, called from
     Python once per layer, taking the metadata views as they are."""
+    compile_policy.skip_placeholder_prefill = _skip_unless_in_layer_frames
+
     def each_layer(h, fb):
         compile_policy.mark_dynamic(h, fb)
         fb = dataclasses.replace(fb, compiled=True)  # the layers' compiled kernels (indexed LoRA, decode reductions)
-        for layer in model.layers:
-            h = layer(h, fb)
+        _IN_LAYER_FRAMES[0] = True
+        try:
+            for layer in model.layers:
+                h = layer(h, fb)
+        finally:
+            _IN_LAYER_FRAMES[0] = False
         return h
 
     model._run_layers = each_layer
@@ -51,8 +69,9 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=5)
+    add_model_size(p)
     args = p.parse_args()
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     names = [f"a{i}" for i in range(N_ADAPTERS)]
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_lora_adapters(model, Path(tmp), names)

@@ -103,7 +103,9 @@ def main() -> None:
     p.add_argument("--profile-init", action="store_true",
                    help="then profile the host side of 20 decode steps (largest batch, 8 adapters, first kernel)")
     args = p.parse_args()
-    assert torch.cuda.is_available(), "benchmarks.cuda needs a CUDA GPU"
+    if not torch.cuda.is_available():
+        print("benchmarks.cuda: skipped (it needs a CUDA GPU; torch sees none)")
+        return
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
     model = random_checkpoint("llama-1b-shaped-bf16", LLAMA_1B, torch.bfloat16)

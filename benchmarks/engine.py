@@ -1,6 +1,6 @@
 """Decode throughput of the engine, compiled vs eager vs transformers, and cold/warm start time.
 
-    python -m benchmarks.engine [--batches 1 8 32] [--steps 16]
+    python -m benchmarks.engine [--batches 1 8 32] [--steps 16] [--model-size tiny] [--no-compile]
 
 Everything is measured side by side in this one run, on a SmolLM2-135M-shaped random checkpoint.
 """
@@ -15,24 +15,26 @@ import time
 
 import torch
 
-from benchmarks.common import decode_step_time, fmt_row, interleaved, smollm2_checkpoint
+from benchmarks.common import add_model_size, decode_step_time, fmt_row, interleaved, sized_checkpoint
 from lora_compile import Engine, EngineConfig
 
 # float32: compared with transformers in float32 (`auto` would be bfloat16 on CPUs with native bf16).
 LIMITS = dict(dtype="float32", max_batch_size=32, max_seq_len=256, max_num_batched_tokens=512, max_loras_per_batch=8, max_lora_rank=16)
 
 
-def start_only(model: str, cache_dir: str, precompile: bool) -> None:
-    engine = Engine(EngineConfig(model=model, inductor_cache_dir=cache_dir, precompile=precompile, **LIMITS))
+def start_only(model: str, cache_dir: str, precompile: bool, compile: bool = True) -> None:
+    engine = Engine(EngineConfig(model=model, inductor_cache_dir=cache_dir, precompile=precompile, compile=compile,
+                                 **LIMITS))
     engine.warmup()
     print("READY", flush=True)
 
 
-def time_start(model: str, cache_dir: str, precompile: bool = True) -> float:
+def time_start(model: str, cache_dir: str, precompile: bool = True, compile: bool = True) -> float:
     """Seconds from process launch to a warmed-up engine (imports, load, compile or cache hit)."""
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "benchmarks.engine", "--start-only", "--model", model, "--cache", cache_dir,
-                    *([] if precompile else ["--no-precompile"])], check=True, stdout=subprocess.DEVNULL)
+                    *([] if precompile else ["--no-precompile"]), *([] if compile else ["--no-compile"])],
+                   check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
 
@@ -60,24 +62,28 @@ def main() -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     p.add_argument("--no-precompile", action="store_true", help=argparse.SUPPRESS)
+    add_model_size(p)
+    p.add_argument("--no-compile", action="store_true",
+                   help="every engine eager, the compiled columns too (a check that the benchmark runs)")
     args = p.parse_args()
+    compile = not args.no_compile
     if args.start_only:
-        return start_only(args.model, args.cache, not args.no_precompile)
+        return start_only(args.model, args.cache, not args.no_precompile, compile)
 
-    model = str(smollm2_checkpoint())
+    model = str(sized_checkpoint(args.model_size))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, checkpoint {model}")
     with tempfile.TemporaryDirectory() as cache:
-        cold = time_start(model, cache)
-        warm = time_start(model, cache)
-        traced = time_start(model, cache, precompile=False)  # the same cache; Dynamo traces the stack again
+        cold = time_start(model, cache, compile=compile)
+        warm = time_start(model, cache, compile=compile)
+        traced = time_start(model, cache, False, compile)  # the same cache; Dynamo traces the stack again
     print(f"start to ready (load + warm-up), fresh process: cold cache {cold:.1f}s, warm cache {warm:.1f}s "
           f"(the stack traced at start, --no-precompile: {traced:.1f}s)")
 
-    compiled = Engine(EngineConfig(model=model, **LIMITS))
+    compiled = Engine(EngineConfig(model=model, compile=compile, **LIMITS))
     compiled.warmup()
     eager = Engine(EngineConfig(model=model, compile=False, **LIMITS))
     # The same compiled engine on plain (MKL) weights: what the oneDNN-packed weights bring.
-    plain = Engine(EngineConfig(model=model, prepack_weights=False, **LIMITS))
+    plain = Engine(EngineConfig(model=model, prepack_weights=False, compile=compile, **LIMITS))
     plain.warmup()
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()

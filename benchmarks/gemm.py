@@ -1,7 +1,7 @@
 """Why the engine runs CPU float32 linears on oneDNN-packed weights (and plain ones as (W @ x.T).T): GEMM time
 for one decode step's weights, by row count.
 
-    python -m benchmarks.gemm               # GEMM time by row count (bf16 packed where the CPU has bf16)
+    python -m benchmarks.gemm               # GEMM time by row count (bf16 packed where the CPU has bf16; --rows N..)
     python -m benchmarks.gemm --prefill     # the same at prefill sizes (65-513 rows)
     python -m benchmarks.gemm --dispatch    # what calling the packed GEMM as an op costs per call
     python -m benchmarks.gemm --bandwidth   # the machine's memory read speed: the floor of a weight-streaming step
@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--dispatch", action="store_true", help="per-call cost of the packed GEMM op instead")
     p.add_argument("--prefill", action="store_true", help="prefill-sized row counts (65-513) instead")
     p.add_argument("--bandwidth", action="store_true", help="the machine's memory read speed instead")
+    p.add_argument("--rows", type=int, nargs="+",
+                   help="these row counts only (default: decode's 1-128, or --prefill's)")
     args = p.parse_args()
     if args.dispatch:
         return dispatch()
@@ -101,7 +103,7 @@ def main() -> None:
         names.append("bf16 packed")
         runs.append((bf16, "packed"))
     print(f"{'rows':>5} " + " ".join(f"{n:>14}" for n in names))
-    for rows in (65, 128, 192, 256, 384, 513) if args.prefill else (1, 2, 3, 4, 5, 6, 8, 9, 16, 33, 128):
+    for rows in args.rows or ((65, 128, 192, 256, 384, 513) if args.prefill else (1, 2, 3, 4, 5, 6, 8, 9, 16, 33, 128)):
         cells = [step_ms(ws, rows, form) for ws, form in runs]
         print(f"{rows:>5} " + " ".join(f"{c:>14.1f}" for c in cells), flush=True)
 

@@ -1,7 +1,7 @@
 """llguidance (lora-serve's grammar engine) beside xgrammar on our workload: the SmolLM2-135M tokenizer (49k tokens),
 a JSON schema of the kind tenants send, and the token bitmask each step needs.
 
-    python -m benchmarks.grammar_engines [--rounds 5]
+    python -m benchmarks.grammar_engines [--rounds 5] [--model-size tiny]
 
 xgrammar is not a dependency (it needs transformers and triton at install): put it on PYTHONPATH for this run
 (`pip install --no-deps --target DIR xgrammar apache-tvm-ffi triton`). For each engine: the one-time tokenizer
@@ -11,13 +11,14 @@ sequence's bitmask, over the tokens of a valid answer fed one by one (medians of
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
 
 import torch
 
-from benchmarks.common import smollm2_checkpoint
+from benchmarks.common import add_model_size, sized_checkpoint
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags", "address"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0},
@@ -80,20 +81,20 @@ def _xgrammar(model_dir: str, vocab: int, ids: list[int]) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
+    add_model_size(p)
     args = p.parse_args()
     from lora_compile.config import ModelConfig
     from lora_compile.tokenizer import Tokenizer
 
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     tokenizer = Tokenizer(model, ModelConfig.from_dir(model).eos_token_ids)
     vocab = tokenizer.vocab_size
     ids = tokenizer.encode(json.dumps(ANSWER, separators=(",", ":")), add_special_tokens=False)
     eos = min(tokenizer.eos_token_ids)
     runs = {"llguidance": lambda: _llguidance(tokenizer.to_json(), vocab, eos, ids)}
-    try:
-        import xgrammar  # noqa: F401
+    if importlib.util.find_spec("xgrammar") is not None:
         runs["xgrammar"] = lambda: _xgrammar(str(model), vocab, ids)
-    except ImportError:
+    else:
         print("xgrammar is not installed: llguidance alone")
     print(f"torch {torch.__version__}; vocabulary {vocab}; answer of {len(ids)} tokens")
     results: dict[str, list[dict[str, float]]] = {name: [] for name in runs}

@@ -1,6 +1,7 @@
 """How many sequences run at once, and how fast, in the KV memory of the old design's 8 slots x 1024 positions.
 
-    python -m benchmarks.kv_capacity [--num-requests 100] [--rate 0] [--configs a b c] [--rounds 1]
+    python -m benchmarks.kv_capacity [--num-requests 100] [--rate 0] [--configs a b c] [--rounds 1] [--no-compile]
+                                     [--model-size tiny]
 
 The SmolLM2-135M-shaped checkpoint (benchmarks.common), 8 rank-16 adapters on all 7 projections (uniform), and a
 seeded mix: prompts of 64-512 random tokens, 32-256 new tokens (greedy, ignore_eos), all arriving at t=0 (or
@@ -29,8 +30,9 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchmarks.common import Replay, register_adapters, replay, smollm2_checkpoint, write_lora_adapters
-from benchmarks.serving import arrivals, percentile
+from benchmarks.common import (Replay, add_model_size, percentile, register_adapters, replay, sized_checkpoint,
+                               write_lora_adapters)
+from benchmarks.serving import arrivals
 from lora_compile import Engine, EngineConfig
 from lora_compile.config import ModelConfig, resolve_device, resolve_dtype
 from lora_compile.kv_cache.sizing import bytes_per_block, format_bytes
@@ -54,7 +56,7 @@ def build(model: Path, adapters: dict[str, Path], args, config: dict) -> Engine:
     engine = Engine(EngineConfig(model=str(model), dtype=args.dtype, max_seq_len=args.old_seq_len,
                                  max_loras_per_batch=max(1, len(adapters)), block_size=args.block_size,
                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                 kv_cache_memory=kv_budget(model, args), **config))
+                                 kv_cache_memory=kv_budget(model, args), compile=not args.no_compile, **config))
     register_adapters(engine, adapters)
     engine.warmup()
     return engine
@@ -91,10 +93,12 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["a", "b", "c"])
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", action="store_true", help="eager engines (no torch.compile: start in seconds)")
+    add_model_size(p)
     args = p.parse_args()
     allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     names = [f"a{i}" for i in range(args.adapters)]
     specs, gaps = arrivals(SimpleNamespace(**vars(args), zipf=0.0), names)
     times = [0.0, *itertools.accumulate(gaps)][:-1]

@@ -2,7 +2,7 @@
 weights on CPU float32, and per-token LoRA with merging off) vs 8 distinct adapters vs peft's mixed-adapter
 generate, and batch-init time as a share of the step.
 
-    python -m benchmarks.lora [--batches 8 32] [--steps 16]
+    python -m benchmarks.lora [--batches 8 32] [--steps 16] [--no-peft] [--no-compile] [--model-size tiny]
 
 Rank-16 adapters on all seven projections of a SmolLM2-135M-shaped random checkpoint, side by side in one run.
 """
@@ -19,8 +19,9 @@ from benchmarks.common import (
     decode_step_time,
     fmt_row,
     interleaved,
+    add_model_size,
     register_adapters,
-    smollm2_checkpoint,
+    sized_checkpoint,
     write_lora_adapters,
 )
 from lora_compile import Engine, EngineConfig
@@ -61,13 +62,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=5, help="interleaved repetitions; medians are reported")
     p.add_argument("--no-peft", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="eager engines (no torch.compile: start in seconds)")
+    add_model_size(p)
     args = p.parse_args()
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"a{i}" for i in range(N_ADAPTERS)]
         adapters = write_lora_adapters(model, Path(tmp), names, rank=RANK)
         limits = dict(model=str(model), dtype="float32", max_batch_size=max(args.batches), max_seq_len=256,
-                      max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=RANK)
+                      max_num_batched_tokens=512, max_loras_per_batch=N_ADAPTERS, max_lora_rank=RANK,
+                      compile=not args.no_compile)
         engine = Engine(EngineConfig(**limits))  # the defaults: merges a lone adapter where it can
         unmerged = Engine(EngineConfig(**limits, merge_lone_adapter="off"))
         for e in (engine, unmerged):

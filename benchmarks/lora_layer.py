@@ -1,7 +1,7 @@
 """Why LoRA is computed per token by index: one decoder layer's LoRA work, compiled, in the form the engine
 uses and in the GEMM forms it replaced, at decode and at prefill sizes.
 
-    python -m benchmarks.lora_layer [--tokens 9 257] [--rounds 7]
+    python -m benchmarks.lora_layer [--tokens 9 257] [--rounds 7] [--calls N] [--no-compile]
     python -m benchmarks.lora_layer --engine [--batch 32]   # the engine's step: adapters grouped vs interleaved
     python -m benchmarks.lora_layer --dtype bfloat16 --copies 30 --tokens 9 33 --forms "8 adapters"
     python -m benchmarks.lora_layer --engine-b-layout --tokens 8 32 --rounds 8 [--dtype bfloat16]   # (batches)
@@ -126,13 +126,15 @@ def masked_all_slots(layer, x, w, mask):  # mask: (T, SLOTS)
     return base(layer, x) + (deltas[0] if c == 1 else torch.cat(deltas, -1))
 
 
-def compiled_layer(layers, form):
+def compiled_form(layers, form, compile: bool = True):
+    """`form` over every layer in one compiled call (compile false: the same call, eager)."""
     def run(x576, x1536, w, mask):
         return [form(layer, x1536 if layer.in_features == 1536 else x576, w, mask) for layer in layers]
-    return torch.compile(run, fullgraph=True, dynamic=False)
+    return torch.compile(run, fullgraph=True, dynamic=False) if compile else run
 
 
-def measure(tokens: int, rounds: int, layers, chosen: list[str] | None = None) -> None:
+def measure(tokens: int, rounds: int, layers, chosen: list[str] | None = None, compile: bool = True,
+            calls: int | None = None) -> None:
     torch._dynamo.reset()  # every form at every size is a graph of its own: do not run into the recompile limit
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)  # one `run`, 10 forms
     dtype = layers[0].weight.dtype
@@ -142,20 +144,23 @@ def measure(tokens: int, rounds: int, layers, chosen: list[str] | None = None) -
     grouped = torch.cat([mixed[:-1].sort().values, mixed[-1:]])  # the same mix, each adapter's tokens adjacent
     mask_one = (one == 1).to(dtype)[:, None]
     mask_mixed = F.one_hot(mixed, SLOTS + 1)[:, 1:].to(dtype)
+
+    def compiled(form):  # (compile false, --no-compile: the same forms run eagerly)
+        return compiled_form(layers, form, compile)
+
     forms = {
-        "base GEMMs alone": (compiled_layer(layers, lambda l, x, w, m: base(l, x)), one, mask_one),
-        "1 adapter, indexed": (compiled_layer(layers, indexed), one, mask_one),
-        "1 adapter, indexed, B out-major": (compiled_layer(layers, indexed_out_major), one, mask_one),
-        "1 adapter, masked GEMMs": (compiled_layer(layers, masked_one_slot), one, mask_one),
-        "8 adapters, indexed": (compiled_layer(layers, indexed), mixed, mask_mixed),
-        "8 adapters, indexed, B out-major": (compiled_layer(layers, indexed_out_major), mixed, mask_mixed),
-        "8 adapters, masked GEMMs": (compiled_layer(layers, masked_all_slots), mixed, mask_mixed),
-        "8 adapters, indexed, grouped order": (compiled_layer(layers, indexed), grouped, mask_mixed),
-        "1 adapter, LoRA alone": (compiled_layer(layers, lora_alone), one, mask_one),
-        "8 adapters, LoRA alone": (compiled_layer(layers, lora_alone), mixed, mask_mixed),
-        "8 adapters, shrink in the base GEMM, grouped order": (compiled_layer(layers, shrink_in_base_gemm), grouped,
-                                                               mask_mixed),
-        "8 adapters, B chunk-major, grouped order": (compiled_layer(layers, b_chunk_major), grouped, mask_mixed),
+        "base GEMMs alone": (compiled(lambda l, x, w, m: base(l, x)), one, mask_one),
+        "1 adapter, indexed": (compiled(indexed), one, mask_one),
+        "1 adapter, indexed, B out-major": (compiled(indexed_out_major), one, mask_one),
+        "1 adapter, masked GEMMs": (compiled(masked_one_slot), one, mask_one),
+        "8 adapters, indexed": (compiled(indexed), mixed, mask_mixed),
+        "8 adapters, indexed, B out-major": (compiled(indexed_out_major), mixed, mask_mixed),
+        "8 adapters, masked GEMMs": (compiled(masked_all_slots), mixed, mask_mixed),
+        "8 adapters, indexed, grouped order": (compiled(indexed), grouped, mask_mixed),
+        "1 adapter, LoRA alone": (compiled(lora_alone), one, mask_one),
+        "8 adapters, LoRA alone": (compiled(lora_alone), mixed, mask_mixed),
+        "8 adapters, shrink in the base GEMM, grouped order": (compiled(shrink_in_base_gemm), grouped, mask_mixed),
+        "8 adapters, B chunk-major, grouped order": (compiled(b_chunk_major), grouped, mask_mixed),
     }
     forms = {name: form for name, form in forms.items()
              if name == "base GEMMs alone" or not chosen or any(c in name for c in chosen)}
@@ -172,7 +177,7 @@ def measure(tokens: int, rounds: int, layers, chosen: list[str] | None = None) -
         fb, wb, mb = forms[b]
         for ya, yb in zip(fa(x576, x1536, wa, ma), fb(x576, x1536, wb, mb)):
             torch.testing.assert_close(ya, yb, atol=tol, rtol=tol)
-    calls = max(5, 2700 // tokens // len(layers) * len(SHAPES))
+    calls = calls or max(5, 2700 // tokens // len(layers) * len(SHAPES))
     samples: dict[str, list[float]] = {name: [] for name in forms}
     for _ in range(rounds):
         for name, (fn, w, mask) in forms.items():
@@ -281,6 +286,9 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=1, help="layers of distinct weights, called in turn")
     p.add_argument("--forms", nargs="+", help="only the forms whose names contain one of these")
     p.add_argument("--engine-b-layout", action="store_true", help="two engines' steps: B chunk-major vs rank rows")
+    p.add_argument("--no-compile", action="store_true",
+                   help="the layer forms eagerly (a check that they run: Inductor's fusion is what is measured)")
+    p.add_argument("--calls", type=int, help="calls of each form per round (default: ~2700 token-layers' worth)")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.engine_b_layout:
@@ -292,7 +300,7 @@ def main() -> None:
     layers = make_layers(getattr(torch, args.dtype), args.copies)
     with torch.no_grad():
         for tokens in args.tokens:
-            measure(tokens, args.rounds, layers, args.forms)
+            measure(tokens, args.rounds, layers, args.forms, not args.no_compile, args.calls)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A lone adapter merged into the weights (the default on CPU float32) against the base model, in one engine, and
 what merging costs: per adapter in all, and in the single step that takes the largest share of it.
 
-    python -m benchmarks.lora_merge [--batch 8] [--rounds 15] [--adapters 4]
+    python -m benchmarks.lora_merge [--batch 8] [--rounds 15] [--adapters 4] [--no-compile] [--model-size tiny]
 
 One engine instance only: two instances of the same engine step at speeds up to 5 % apart on a shared 2-core
 VM (docs/benchmarks.md), so merged and base steps are compared within one.
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import decode_step_time, interleaved, register_adapters, smollm2_checkpoint, write_lora_adapters
+from benchmarks.common import (add_model_size, decode_step_time, interleaved, register_adapters, sized_checkpoint,
+                               write_lora_adapters)
 from lora_compile import Engine, EngineConfig
 from lora_compile.model import packed_gemm
 
@@ -26,17 +27,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=15, help="interleaved repetitions; medians are reported")
     p.add_argument("--adapters", type=int, default=4, help="adapters merged in turn for the merge cost")
+    p.add_argument("--no-compile", action="store_true", help="an eager engine (no torch.compile: starts in seconds)")
+    add_model_size(p)
     args = p.parse_args()
     if packed_gemm.packed_rows(args.batch + 1) is None:
         p.error("--batch: a lone adapter is merged only in steps whose GEMMs run on packed weights, decode steps of "
                 "5 to 64 sequences (lora_compile/model/packed_gemm.py)")
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"a{i}" for i in range(args.adapters)]
         adapters = write_lora_adapters(model, Path(tmp), names)
-        engine = Engine(EngineConfig(model=str(model), max_batch_size=args.batch, max_seq_len=256,
+        # float32: merging needs packed float32 weights (`auto` is bfloat16 on CPUs that compute it natively)
+        engine = Engine(EngineConfig(model=str(model), dtype="float32", max_batch_size=args.batch, max_seq_len=256,
                                      max_num_batched_tokens=512, max_loras_per_batch=args.adapters, max_lora_rank=16,
-                                     merge_lone_adapter="on"))
+                                     merge_lone_adapter="on", compile=not args.no_compile))
         register_adapters(engine, adapters)
         engine.warmup()
         merge_steps = engine._merger.steps_to_merge

@@ -2,6 +2,7 @@
 step's LoRA work costs on this CPU, and why (issue 34).
 
     python -m benchmarks.lora_roofline [--tokens 9 33] [--dtypes float32 bfloat16] [--copies 4] [--rounds 5]
+                                       [--no-compile]
 
 Prints, per dtype:
 - stream: the read bandwidth of code Inductor generates on this machine (a row sum over 600 MB), the most any
@@ -35,12 +36,12 @@ LAYERS = 30  # SmolLM2-135M's decoder layers: one step's LoRA work
 STREAM_BYTES = 600 * 2**20
 
 
-def stream_gbs(dtype: torch.dtype, rounds: int) -> float:
+def stream_gbs(dtype: torch.dtype, rounds: int, compile: bool = True) -> float:
     """GB/s of the best of `rounds` reads by Inductor's code in `dtype`: what our generated kernels can read
     (`python -m benchmarks.gemm --bandwidth` times ATen's float32 sum; ATen's bfloat16 sum reads several times
     slower, so it cannot stand for a bfloat16 kernel)."""
     rows = torch.randn(STREAM_BYTES // (4096 * dtype.itemsize), 4096).to(dtype)
-    row_sum = torch.compile(lambda t: t.float().sum(-1))
+    row_sum = torch.compile(lambda t: t.float().sum(-1)) if compile else (lambda t: t.float().sum(-1))
     row_sum(rows)  # compiled on the first call
     read = per_call_us(lambda: row_sum(rows), 1)
     return rows.nbytes / min(read() for _ in range(rounds)) / 1e3
@@ -61,23 +62,25 @@ def make_projections(dtype: torch.dtype, copies: int) -> list[LoRALinear]:
     return layers
 
 
-def lora_delta_fn(layers: list[LoRALinear]):
+def lora_delta_fn(layers: list[LoRALinear], compile: bool = True):
     """One compiled call over every layer, as the step makes it: the delta a nested region, traced once per
     projection shape (the key) and called for every layer."""
     region = torch.compiler.nested_compile_region(
         lambda layer, x, w: _lora_delta_indexed(layer, x, w),
         reuse_hash_fn=lambda layer, *_: SHAPES.index((layer.in_features, layer.output_sizes)))
+    if not compile:
+        return lambda xs, w: [_lora_delta_indexed(layer, xs[layer.in_features], w) for layer in layers]
     return torch.compile(lambda xs, w: [region(layer, xs[layer.in_features], w) for layer in layers])
 
 
-def measure(dtype: torch.dtype, tokens_list: list[int], copies: int, rounds: int) -> None:
-    stream = stream_gbs(dtype, rounds)
+def measure(dtype: torch.dtype, tokens_list: list[int], copies: int, rounds: int, compile: bool = True) -> None:
+    stream = stream_gbs(dtype, rounds, compile)
     name = str(dtype).removeprefix("torch.")
     print(f"{name}: stream (Inductor row sum over {STREAM_BYTES >> 20} MiB) {stream:.1f} GB/s", flush=True)
     layers = make_projections(dtype, copies)
     bytes_per_step = sum(layer.lora_a_stack[1:].nbytes + layer.lora_b[1:].nbytes for layer in layers) // copies
     macs_per_token = bytes_per_step // dtype.itemsize // SLOTS  # each token through its own adapter's A and B
-    run = lora_delta_fn(layers)
+    run = lora_delta_fn(layers, compile)
     for tokens in tokens_list:
         xs = {n: torch.randn(tokens, n).to(dtype) for n in {i for i, _ in SHAPES}}
         w = (torch.arange(tokens) % SLOTS + 1).sort().values  # every adapter, its tokens adjacent
@@ -97,13 +100,15 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     p.add_argument("--copies", type=int, default=4, help="steps' worth of distinct adapter weights, called in turn")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--no-compile", action="store_true",
+                   help="eager reads and deltas (a check that it runs: Inductor's code is what is measured)")
     args = p.parse_args()
     allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
     print(cpu_report.describe(torch.get_num_threads()))
     compile_policy.configure(None)
     with torch.no_grad():
         for dtype in args.dtypes:
-            measure(getattr(torch, dtype), args.tokens, args.copies, args.rounds)
+            measure(getattr(torch, dtype), args.tokens, args.copies, args.rounds, not args.no_compile)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Many adapters served on demand: 1000 small adapters in an --adapter-dir, Poisson arrivals, adapters drawn Zipf
 (alpha 1) or uniform, against one real lora-serve process (compiled, SmolLM2-135M-shaped checkpoint).
 
-    python -m benchmarks.many_adapters [--quick] [--num-requests 300] [--rate 3] [--adapters 1000]
+    python -m benchmarks.many_adapters [--quick] [--num-requests 300] [--rate 3] [--adapters 1000] [--no-compile]
+                                       [--model-size tiny]
 
 The adapters (rank 8 and 16 alternating, q_proj + v_proj, float16) are generated deterministically into a
 temporary directory. One server runs every phase, interleaved in one process so the ratios share the machine's
@@ -24,20 +25,16 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import smollm2_checkpoint
-from benchmarks.serving import draw_adapter, percentile
+from benchmarks.common import add_model_size, percentile, sized_checkpoint
+from benchmarks.load import StreamRecord, draw_adapter, grpc_stream, open_loop, poisson_gaps
+from benchmarks.server import ServerProcess, lora_serve
 from service.client import AsyncLoraServeClient
 
 MODULES = ("q_proj", "v_proj")
@@ -81,40 +78,22 @@ def alias(root: Path, prefix: str, names: list[str]) -> list[str]:
     return out
 
 
-@dataclass
-class Result:
-    adapter: str
-    start: float = 0.0          # wall clock (time.time) at send
-    ttft: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # wall clock of each token's arrival
-    cold: bool = False
-    error: str | None = None
-
-
-async def one(client: AsyncLoraServeClient, prompt: list[int], adapter: str, max_new: int, cold: bool) -> Result:
-    r = Result(adapter, time.time(), cold=cold)
-    try:
-        async for chunk in client.generate(prompt, adapter=adapter, max_new_tokens=max_new, ignore_eos=True):
-            now = time.time()
-            r.token_times += [now] * len(chunk.token_ids)
-        r.ttft = r.token_times[0] - r.start
-    except Exception as exc:  # noqa: BLE001 - counted and reported
-        r.error = f"{type(exc).__name__}: {exc}"
-    return r
-
-
-async def run_phase(target: str, specs, rate: float, seed: int) -> tuple[list[Result], float]:
-    rng = random.Random(seed)
+def first_uses(specs) -> list[bool]:
+    """Per request: whether it is the first of its adapter in the phase (a cold one: its adapter is read then)."""
     seen: set[str] = set()
+    out = []
+    for _, adapter, _ in specs:
+        out.append(adapter not in seen)
+        seen.add(adapter)
+    return out
+
+
+async def run_phase(target: str, specs, rate: float, seed: int) -> tuple[list[StreamRecord], float]:
+    """The phase's requests at Poisson arrivals; wall-clock times (time.time), to set beside the server's adapter
+    events."""
     async with AsyncLoraServeClient(target) as client:
-        tasks, t0 = [], time.perf_counter()
-        for prompt, adapter, max_new in specs:
-            cold = adapter not in seen
-            seen.add(adapter)
-            tasks.append(asyncio.create_task(one(client, prompt, adapter, max_new, cold)))
-            await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - t0
+        return await open_loop(lambda spec: grpc_stream(client, *spec, clock=time.time), specs,
+                               poisson_gaps(random.Random(seed), rate, len(specs)))
 
 
 async def prefetch(target: str, names: list[str]) -> None:
@@ -124,37 +103,24 @@ async def prefetch(target: str, names: list[str]) -> None:
 
 
 class ServerLog:
-    """Drains the server's output; keeps its adapter events (wall-clock ns)."""
+    """The server's adapter events (wall-clock ns), parsed from its output lines."""
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self) -> None:
         self.events: list[tuple[str, str, int, int, int]] = []
-        self.ready = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self._thread.start()
 
-    def _read(self, proc):
-        for line in proc.stdout:
-            m = _EVENT.search(line)
-            if m:
-                self.events.append((m[1], m[2], int(m[3]), int(m[4]), int(m[5])))
-            elif "ready on" in line:
-                self.ready.set()
+    def feed(self, line: str) -> None:
+        m = _EVENT.search(line)
+        if m:
+            self.events.append((m[1], m[2], int(m[3]), int(m[4]), int(m[5])))
 
 
-def start_server(model: Path, adapter_dir: Path, args) -> tuple[subprocess.Popen, str, ServerLog]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--max-seq-len", "512",
-           "--max-batch-size", str(args.max_batch_size), "--adapter-dir", str(adapter_dir),
-           "--max-cpu-lora-bytes", str(args.max_cpu_lora_bytes), "--max-queue", str(args.num_requests),
-           "--log-level", "DEBUG"] + (["--no-compile"] if args.no_compile else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = ServerLog(proc)
-    while not log.ready.wait(1):
-        if proc.poll() is not None:
-            raise RuntimeError(f"lora-serve exited with {proc.returncode} before it was ready")
-    return proc, f"127.0.0.1:{port}", log
+def start_server(model: Path, adapter_dir: Path, args) -> tuple[ServerProcess, ServerLog]:
+    log = ServerLog()
+    server = lora_serve(model, "--max-seq-len", "512", "--max-batch-size", str(args.max_batch_size),
+                        "--adapter-dir", str(adapter_dir), "--max-cpu-lora-bytes", str(args.max_cpu_lora_bytes),
+                        "--max-queue", str(args.num_requests), "--log-level", "DEBUG",
+                        *(["--no-compile"] if args.no_compile else []), http=False, on_line=log.feed)
+    return server, log
 
 
 def specs_for(names: list[str], zipf: float, args, seed: int):
@@ -163,21 +129,21 @@ def specs_for(names: list[str], zipf: float, args, seed: int):
              rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
 
 
-def summarize(label: str, results: list[Result], duration: float, events, warm_itl_p95: float | None,
-              step: float | None) -> dict:
-    ok = [r for r in results if r.error is None]
+def summarize(label: str, results: list[StreamRecord], cold_flags: list[bool], duration: float, events,
+              warm_itl_p95: float | None, step: float | None) -> dict:
+    ok = [(r, cold) for r, cold in zip(results, cold_flags) if r.error is None]
     errors = [r.error for r in results if r.error]
-    tokens = sum(len(r.token_times) for r in ok)
+    tokens = sum(r.output_tokens for r, _ in ok)
     loads = [(name, s / 1e9, e / 1e9) for kind, name, s, e, _ in events if kind == "load"]
     load_of = {name: e - s for name, s, e in loads}
     gaps_all, gaps_loading = [], []
-    for r in ok:
+    for r, _ in ok:
         for a, b in zip(r.token_times, r.token_times[1:]):
             gaps_all.append(b - a)
             if any(s < b and a < e for _, s, e in loads):
                 gaps_loading.append(b - a)
-    cold = [r.ttft for r in ok if r.cold]
-    warm = [r.ttft for r in ok if not r.cold]
+    cold = [r.ttft for r, first in ok if first]
+    warm = [r.ttft for r, first in ok if not first]
     count = {k: sum(1 for e in events if e[0] == k) for k in ("load", "load_failed", "evict_host", "evict_device",
                                                               "device_copy")}
     out = {"label": label, "ok": len(ok), "errors": len(errors), "duration": duration, "tok_s": tokens / duration,
@@ -194,7 +160,7 @@ def summarize(label: str, results: list[Result], duration: float, events, warm_i
           f"{1e3 * percentile(list(load_of.values()), 50):.1f} P95 {1e3 * percentile(list(load_of.values()), 95):.1f}; "
           f"device copies {count['device_copy']}; evictions host {count['evict_host']} device {count['evict_device']}")
     if step and load_of:
-        slack = [(r.ttft - load_of[r.adapter]) / step for r in ok if r.cold and r.adapter in load_of]
+        slack = [(r.ttft - load_of[r.adapter]) / step for r, first in ok if first and r.adapter in load_of]
         within = sum(1 for x in slack if x <= 2)
         out["cold_within"] = within / max(1, len(slack))
         print(f"    cold TTFT - its read time, in steps ({1e3 * step:.1f} ms): P50 {percentile(slack, 50):.1f} "
@@ -202,7 +168,7 @@ def summarize(label: str, results: list[Result], duration: float, events, warm_i
     return out
 
 
-def window_gaps(results: list[Result], idxs: list[int]) -> list[float]:
+def window_gaps(results: list[StreamRecord], idxs: list[int]) -> list[float]:
     """Token gaps of the other streams that overlap requests `idxs`' arrival-to-first-token windows."""
     windows = [(results[i].start, results[i].start + results[i].ttft) for i in idxs]
     chosen = set(idxs)
@@ -210,11 +176,13 @@ def window_gaps(results: list[Result], idxs: list[int]) -> list[float]:
             for a, b in zip(r.token_times, r.token_times[1:]) if any(s < b and a < e for s, e in windows)]
 
 
-def paired_with_warm(cold_phase: list[Result], warm_phase: list[Result], step: float) -> None:
+def paired_with_warm(cold_phase: list[StreamRecord], warm_phase: list[StreamRecord], cold_flags: list[bool],
+                     step: float) -> None:
     """The same requests (same arrivals, prompts, adapters) cold and then prefetched: what the cold reads cost
     the running streams and the cold requests themselves, like for like (a new request's prefill lengthens the
     running streams' gaps in both runs; only the read differs)."""
-    idxs = [i for i, (c, w) in enumerate(zip(cold_phase, warm_phase)) if c.cold and c.error is None and w.error is None]
+    idxs = [i for i, (c, w, first) in enumerate(zip(cold_phase, warm_phase, cold_flags))
+            if first and c.error is None and w.error is None]
     cold_gaps, warm_gaps = window_gaps(cold_phase, idxs), window_gaps(warm_phase, idxs)
     extra = [(cold_phase[i].ttft - warm_phase[i].ttft) / step for i in idxs]
     print(f"    same requests cold vs prefetched (n={len(idxs)}): running streams' ITL P95 while they were admitted "
@@ -236,6 +204,7 @@ def main() -> None:
     p.add_argument("--max-cpu-lora-bytes", type=int, default=1 << 30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="serve eagerly (starts in seconds)")
+    add_model_size(p)
     p.add_argument("--phases", default="eight,zipf,warm,uniform",
                    help="which phases to run (zipf and warm are compared request by request)")
     args = p.parse_args()
@@ -245,14 +214,15 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.adapters = 60, 200
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
         base_names = write_adapters(model, root, args.adapters)
         size = sum(f.stat().st_size for f in root.rglob("*.safetensors"))
         print(f"{args.adapters} adapters written in {time.perf_counter() - t0:.1f}s ({size / 2**20:.0f} MiB on disk)")
-        proc, target, log = start_server(model, root, args)
+        server, log = start_server(model, root, args)
+        target = server.target
         try:
             print(f"lora-serve at {target}: batch {args.max_batch_size}, default max-loras-per-batch, host cache "
                   f"{args.max_cpu_lora_bytes / 2**20:.0f} MiB, rate {args.rate} req/s, {args.num_requests} requests "
@@ -273,7 +243,7 @@ def main() -> None:
                 first = len(log.events)
                 results, duration = asyncio.run(run_phase(target, specs, args.rate, args.seed))
                 time.sleep(0.5)  # the last events' log lines
-                phases[label] = (results, duration, log.events[first:])
+                phases[label] = (results, first_uses(specs), duration, log.events[first:])
             w = summarize("warm", *phases["warm"], None, None)
             step = statistics.median(b - a for r in phases["warm"][0] if r.error is None
                                      for a, b in zip(r.token_times, r.token_times[1:]))
@@ -286,14 +256,13 @@ def main() -> None:
                 if label in out and "eight" in out:
                     print(f"    throughput {label}/eight {out[label]['tok_s'] / out['eight']['tok_s']:.2f}x")
             if "zipf" in phases:
-                paired_with_warm(phases["zipf"][0], phases["warm"][0], step)
+                paired_with_warm(phases["zipf"][0], phases["warm"][0], phases["zipf"][1], step)
             for label in ("zipf", "uniform"):
                 if label in out and out[label]["n_loading_gaps"]:
                     print(f"    ITL P95 during reads ({label}) / warm ITL P95: "
                           f"{out[label]['itl_p95_loading'] / w['itl_p95']:.2f}x")
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            server.stop()
 
 
 if __name__ == "__main__":

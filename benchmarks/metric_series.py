@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -25,36 +22,17 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import write_lora_adapter
+from benchmarks.load import closed_loop
+from benchmarks.server import ServerProcess, lora_serve
 from lora_compile.lora.adapters import load_adapter
 from lora_compile.config import ModelConfig
 from lora_serve_demo import write_demo_checkpoint
 from service.client import AsyncLoraServeClient
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: Path, adapter_dir: Path, host_bytes: int, args) -> tuple[subprocess.Popen, int, int]:
-    port, http_port = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--http-port", str(http_port),
-           "--no-compile", "--adapter-dir", str(adapter_dir), "--max-cpu-lora-bytes", str(host_bytes),
-           "--max-loras-per-batch", str(args.max_loras_per_batch), "--max-queue", str(args.adapters)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ready = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stdout:
-            if "ready on" in line:
-                ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    while not ready.wait(1):
-        if proc.poll() is not None:
-            raise RuntimeError(f"lora-serve exited with {proc.returncode} before it was ready")
-    return proc, port, http_port
+def start_server(model: Path, adapter_dir: Path, host_bytes: int, args) -> ServerProcess:
+    return lora_serve(model, "--no-compile", "--adapter-dir", str(adapter_dir), "--max-cpu-lora-bytes", str(host_bytes),
+                      "--max-loras-per-batch", str(args.max_loras_per_batch), "--max-queue", str(args.adapters))
 
 
 def scrape(http_port: int) -> tuple[int, int]:
@@ -69,21 +47,23 @@ def scrape(http_port: int) -> tuple[int, int]:
     return resident, total
 
 
-async def run(port: int, http_port: int, names: list[str], concurrency: int, scrape_every: int) -> list[tuple]:
+async def run(server: ServerProcess, names: list[str], concurrency: int, scrape_every: int) -> list[tuple]:
     prompt = [1, 2, 3, 4]
-    gate = asyncio.Semaphore(concurrency)
-    done, scrapes = 0, []
+    done, scrapes, scraping = 0, [], []
+
+    async def scrape_at(n: int) -> None:
+        scrapes.append((n, *await asyncio.to_thread(scrape, server.http_port)))
 
     async def one(client: AsyncLoraServeClient, name: str) -> None:
         nonlocal done
-        async with gate:
-            await client.complete(prompt, adapter=name, max_new_tokens=1)
+        await client.complete(prompt, adapter=name, max_new_tokens=1)
         done += 1
-        if done % scrape_every == 0 or done == len(names):
-            scrapes.append((done, *await asyncio.to_thread(scrape, http_port)))
+        if done % scrape_every == 0 or done == len(names):  # beside the load: a scrape holds no request's place
+            scraping.append(asyncio.create_task(scrape_at(done)))
 
-    async with AsyncLoraServeClient(f"127.0.0.1:{port}") as client:
-        await asyncio.gather(*(one(client, name) for name in names))
+    async with AsyncLoraServeClient(server.target) as client:
+        await closed_loop(lambda name: one(client, name), names, concurrency)
+        await asyncio.gather(*scraping)
     return scrapes
 
 
@@ -103,14 +83,13 @@ def main() -> None:
         for name in names:
             (root / name).symlink_to("base", target_is_directory=True)
         size = load_adapter("base", root / "base", ModelConfig.from_dir(model), 16).nbytes
-        proc, port, http_port = start_server(model, root, args.host_adapters * size, args)
+        server = start_server(model, root, args.host_adapters * size, args)
         try:
             t0 = time.perf_counter()
-            scrapes = asyncio.run(run(port, http_port, names, args.concurrency, args.scrape_every))
+            scrapes = asyncio.run(run(server, names, args.concurrency, args.scrape_every))
             seconds = time.perf_counter() - t0
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            server.stop()
     bound = args.host_adapters + args.max_loras_per_batch
     most = max(resident for _, resident, _ in scrapes)
     print(json.dumps({

@@ -2,7 +2,7 @@
 OpenMP setting and vLLM-CPU's OpenAI server, the same model and request, on the same CPU.
 
     python -m benchmarks.noisy_neighbour [--settings server default passive] [--tokens 32] [--reps 3]
-        [--nices 19 0] [--vllm-venv DIR]
+        [--nices 19 0] [--vllm-venv DIR] [--no-compile] [--model-size tiny]
 
 The model is SmolLM2-135M-Instruct dequantised to float32 safetensors (benchmarks.common.smollm2_dequantised),
 served with each system's defaults otherwise. One request at a time: a --tokens-token completion (ignore_eos), the
@@ -23,34 +23,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.server import ServerProcess, free_port, lora_serve
 from service import allocator
 from service.cpu_budget import openmp_settings, usable_cpus
 
-HERE = Path(__file__).resolve().parent.parent
 BUSY = "while True: pass"
 MAX_RUN_S = 120.0
 SERVED = "smollm2"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
 
 
-def _ours(setting: str, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
+def _ours_env(setting: str) -> dict[str, str]:
     env = _clean_env()
     if setting != "server":  # (the server sizes itself: service.cpu_budget)
         env["OMP_NUM_THREADS"] = str(usable_cpus())
@@ -58,107 +52,90 @@ def _ours(setting: str, model: Path, port: int) -> tuple[list[str], dict[str, st
             env["OMP_WAIT_POLICY"] = "PASSIVE"
         elif setting != "default":
             raise SystemExit(f"unknown setting {setting!r}")
-    argv = [str(HERE / ".venv" / "bin" / "lora-serve"), "--model", str(model), "--served-model-name", SERVED,
-            "--port", "0", "--http-port", str(port)]
-    return argv, env
+    return env
 
 
-def _vllm(venv: Path, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
+def _ours(env: dict[str, str], model: Path, compile: bool) -> ServerProcess:
+    return lora_serve(model, "--served-model-name", SERVED, *([] if compile else ["--no-compile"]), env=env)
+
+
+def _vllm(venv: Path, model: Path) -> ServerProcess:
     env = _clean_env()
     tcmalloc = allocator.find_tcmalloc()
     if tcmalloc:
         env["LD_PRELOAD"] = tcmalloc
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    port = free_port()
     argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", SERVED, "--port", str(port), "--max-model-len", "512"]
-    return argv, env
+    return ServerProcess(argv, http_port=port, env=env).wait_healthy()  # 200 once warm
 
 
-def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()  # 200 once warm (both)
-            return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError("the server was not ready in time")
-
-
-def _completion_seconds(port: int, tokens: int) -> float:
+def _completion_seconds(url: str, tokens: int) -> float:
     body = json.dumps({"model": SERVED, "prompt": "Tell me about the sea.", "max_tokens": tokens, "temperature": 0,
                        "ignore_eos": True}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+    request = urllib.request.Request(f"{url}/v1/completions", body,
                                      {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     urllib.request.urlopen(request, timeout=MAX_RUN_S * 3).read()
     return time.perf_counter() - t0
 
 
-def _runs(port: int, tokens: int, reps: int) -> list[float]:
+def _runs(url: str, tokens: int, reps: int) -> list[float]:
     out = []
     for _ in range(reps):
-        out.append(_completion_seconds(port, tokens))
+        out.append(_completion_seconds(url, tokens))
         if out[-1] > MAX_RUN_S:
             break
     return out
 
 
-def measure(name: str, argv: list[str], env: dict[str, str], port: int, tokens: int, reps: int,
-            nices: list[int]) -> None:
-    proc = subprocess.Popen(argv, env=env, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_ready(port, proc)
-        _runs(port, tokens, 2)  # first requests of these sizes
-        alone = statistics.median(_runs(port, tokens, reps))
+def measure(name: str, start: Callable[[], ServerProcess], tokens: int, reps: int, nices: list[int]) -> None:
+    """`start`: the server, ready."""
+    with start() as server:
+        url = server.http_url
+        _runs(url, tokens, 2)  # first requests of these sizes
+        alone = statistics.median(_runs(url, tokens, reps))
         cells = [f"alone {alone:6.2f} s"]
         for nice in nices:
             busy = subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", BUSY])
             try:
                 time.sleep(0.5)
-                runs = _runs(port, tokens, reps)
+                runs = _runs(url, tokens, reps)
             finally:
                 busy.kill()
                 busy.wait()
             beside = statistics.median(runs)
             cells.append(f"beside nice {nice:>2}: {beside:6.2f} s ({beside / alone:5.2f}x alone)")
         print(f"  {name:<30} " + "   ".join(cells), flush=True)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def main() -> None:
+    from benchmarks.common import add_model_size, sized_checkpoint, smollm2_dequantised  # (torch: not at import)
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--settings", nargs="+", default=["server", "default", "passive"])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--nices", type=int, nargs="+", default=[19, 0])
     p.add_argument("--vllm-venv", type=Path, default=os.environ.get("LORA_SERVE_VLLM_VENV"))
+    p.add_argument("--no-compile", action="store_true", help="serve ours eagerly (fast start, slower steps)")
+    add_model_size(p)
     args = p.parse_args()
     from benchmarks import cpu_report
-    from benchmarks.common import smollm2_dequantised
 
-    model = smollm2_dequantised()
+    model = smollm2_dequantised() if args.model_size == "smollm2-135m" else sized_checkpoint(args.model_size)
     print(cpu_report.describe(usable_cpus()))
     print(f"usable CPUs {usable_cpus()}; lora-serve's own OpenMP settings: {openmp_settings(_clean_env())}")
     print(f"one {args.tokens}-token completion at a time (ignore_eos), median of {args.reps}; "
           f"a `python -c '{BUSY}'` beside it at nice {', '.join(map(str, args.nices))}")
     for setting in args.settings:
-        port = _free_port()
-        argv, env = _ours(setting, model, port)
+        env = _ours_env(setting)
         threads = openmp_settings(env)["OMP_NUM_THREADS"] if setting == "server" else env["OMP_NUM_THREADS"]
-        measure(f"lora-serve {setting} ({threads} thr)", argv, env, port, args.tokens, args.reps, args.nices)
+        measure(f"lora-serve {setting} ({threads} thr)", lambda: _ours(env, model, not args.no_compile), args.tokens,
+                args.reps, args.nices)
     if args.vllm_venv:
-        port = _free_port()
-        argv, env = _vllm(args.vllm_venv, model, port)
-        measure("vLLM-CPU (its defaults)", argv, env, port, args.tokens, args.reps, args.nices)
+        measure("vLLM-CPU (its defaults)", lambda: _vllm(args.vllm_venv, model), args.tokens, args.reps, args.nices)
 
 
 if __name__ == "__main__":

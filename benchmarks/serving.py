@@ -1,7 +1,7 @@
 """Serving benchmark in the manner of SGLang's bench_serving: Poisson arrivals against a real lora-serve process.
 
     python -m benchmarks.serving [--rate 8] [--num-requests 64] [--max-batch-size 8] [--adapters 8 --zipf 1.1]
-                                 [--door grpc|http|both [--rounds 3]]
+                                 [--door grpc|http|both [--rounds 3]] [--no-compile] [--model-size tiny]
 
 Starts `lora-serve` (compiled) on the SmolLM2-135M-shaped checkpoint with N rank-16 adapters, sends requests
 with seeded prompt/output lengths and adapters drawn uniform or Zipf, and reports TTFT, inter-token latency
@@ -22,65 +22,18 @@ import asyncio
 import itertools
 import os
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import (LLAMA_1B, decode_step_time, random_checkpoint, register_adapters, replay,
-                               smollm2_checkpoint, write_lora_adapters)
+from benchmarks.common import (LLAMA_1B, add_model_size, decode_step_time, percentile, random_checkpoint,
+                               register_adapters, replay, sized_checkpoint, write_lora_adapters)
+from benchmarks.load import StreamRecord, draw_adapter, grpc_stream, http_stream, open_loop, poisson_gaps
+from benchmarks.server import ServerProcess, lora_serve
 from service.client import AsyncLoraServeClient
-
-
-@dataclass
-class RequestResult:
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    latency: float = 0.0
-    error: str | None = None
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
-def draw_adapter(rng: random.Random, names: list[str], zipf: float) -> str | None:
-    if not names:
-        return None
-    if zipf <= 0:
-        return rng.choice(names)
-    weights = [1 / (rank + 1) ** zipf for rank in range(len(names))]
-    return rng.choices(names, weights)[0]
-
-
-async def one_request(client: AsyncLoraServeClient, prompt: list[int], adapter: str | None, max_new: int) -> RequestResult:
-    result = RequestResult()
-    t0 = last = time.perf_counter()
-    try:
-        async for chunk in client.generate(prompt, adapter=adapter, max_new_tokens=max_new, ignore_eos=True):
-            if not chunk.token_ids:
-                continue
-            now = time.perf_counter()
-            if result.output_tokens == 0:
-                result.ttft = now - t0
-            else:
-                result.itl.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
-            result.output_tokens += len(chunk.token_ids)
-            last = now
-    except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
-        result.error = f"{type(exc).__name__}: {exc}"
-    result.latency = time.perf_counter() - t0
-    return result
 
 
 def request_specs(args, adapters: list[str], rng: random.Random | None = None) -> list[tuple[list[int], str | None, int]]:
@@ -115,7 +68,7 @@ def arrivals(args, adapters: list[str]) -> tuple[list[tuple[list[int], str | Non
     run_load sends them, replay_ttft replays them into the bare engine."""
     rng = random.Random(args.seed)
     specs = request_specs(args, adapters, rng)  # then the same rng draws the gaps
-    return specs, [rng.expovariate(args.rate) if args.rate > 0 else 0.0 for _ in specs]
+    return specs, poisson_gaps(rng, args.rate, len(specs))
 
 
 def replay_ttft(engine, specs: list[tuple[list[int], str | None, int]], times: list[float]) -> list[float]:
@@ -124,56 +77,24 @@ def replay_ttft(engine, specs: list[tuple[list[int], str | None, int]], times: l
     return replay(engine, specs, times).ttft
 
 
-async def one_http_request(client, prompt: list[int], adapter: str | None, max_new: int) -> RequestResult:
-    """The same request through the HTTP door (`client`: openai.AsyncOpenAI), streamed as server-sent events."""
-    result = RequestResult()
-    t0 = last = time.perf_counter()
-    try:
-        stream = await client.completions.create(model=adapter or "", prompt=prompt, max_tokens=max_new,
-                                                 temperature=0, stream=True,
-                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
-        async for chunk in stream:  # (token ids, as the gRPC stream carries them: a chunk may hold several)
-            n = len(chunk.choices[0].model_extra.get("token_ids") or ()) if chunk.choices else 0
-            if not n:
-                continue
-            now = time.perf_counter()
-            if result.output_tokens == 0:
-                result.ttft = now - t0
-            else:
-                result.itl.extend([(now - last) / n] * n)
-            result.output_tokens += n
-            last = now
-    except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
-        result.error = f"{type(exc).__name__}: {exc}"
-    result.latency = time.perf_counter() - t0
-    return result
-
-
-async def run_load(target: str, args, adapters: list[str], door: str = "grpc") -> tuple[list[RequestResult], float]:
+async def run_load(target: str, args, adapters: list[str], door: str = "grpc") -> tuple[list[StreamRecord], float]:
     """`target`: host:port of the gRPC door, or the HTTP door's base URL (http://host:port) for door "http"."""
     specs, gaps = arrivals(args, adapters)
     if door == "http":
         import openai
         # (HTTP/1.1: one stream per connection; the client's default pool holds 1000 connections)
         client = openai.AsyncOpenAI(base_url=f"{target}/v1", api_key="unused", max_retries=0, timeout=600)
-        send = one_http_request
+        stream = http_stream
     else:
-        client, send = AsyncLoraServeClient(target), one_request
+        client, stream = AsyncLoraServeClient(target), grpc_stream
     async with client:
-        await send(client, [5, 6, 7], None, 2)  # connection set-up outside the measurement
-        tasks = []
-        t0 = time.perf_counter()
-        for (prompt, adapter, max_new), gap in zip(specs, gaps):
-            tasks.append(asyncio.create_task(send(client, prompt, adapter, max_new)))
-            if gap:
-                await asyncio.sleep(gap)
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        await stream(client, [5, 6, 7], None, 2)  # connection set-up outside the measurement
+        return await open_loop(lambda spec: stream(client, *spec), specs, gaps)
 
 
 def both_doors(grpc_target: str, http_target: str, args, names: list[str]) -> tuple[float, float]:
     """The same load through each door in turn, `args.rounds` times: (P95 ITL over gRPC, over HTTP)."""
-    runs: dict[str, list[tuple[list[RequestResult], float]]] = {"grpc": [], "http": []}
+    runs: dict[str, list[tuple[list[StreamRecord], float]]] = {"grpc": [], "http": []}
     for r in range(args.rounds):
         for door in ("grpc", "http") if r % 2 == 0 else ("http", "grpc"):  # alternate who goes first
             runs[door].append(asyncio.run(run_load(http_target if door == "http" else grpc_target,
@@ -189,35 +110,17 @@ def both_doors(grpc_target: str, http_target: str, args, names: list[str]) -> tu
     return p95["grpc"], p95["http"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_server(model: Path, adapter_dirs: list[Path], args, *flags: str) -> ServerProcess:
+    """lora-serve sized for this load (the HTTP door on unless --door grpc); `flags`: more `lora-serve` flags."""
+    adapters = [a for i, d in enumerate(adapter_dirs) for a in ("--adapter", f"a{i}={d}")]
+    return lora_serve(model, "--max-batch-size", str(args.max_batch_size), "--max-seq-len", "512",
+                      "--max-loras-per-batch", str(max(1, min(len(adapter_dirs), args.max_loras_per_batch))),
+                      "--max-queue", str(args.num_requests),
+                      "--max-num-batched-tokens", str(args.max_num_batched_tokens), *adapters,
+                      *(["--no-compile"] if args.no_compile else []), *flags, http=args.door != "grpc")
 
 
-def start_server(model: Path, adapter_dirs: list[Path], args, *flags: str) -> tuple[subprocess.Popen, str, str]:
-    """(process, gRPC target, HTTP base URL or "" when the HTTP door is off); `flags`: more `lora-serve` flags."""
-    port, http_port = _free_port(), _free_port() if args.door != "grpc" else 0
-    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port), "--http-port", str(http_port),
-           "--max-batch-size", str(args.max_batch_size), "--max-seq-len", "512",
-           "--max-loras-per-batch", str(max(1, min(len(adapter_dirs), args.max_loras_per_batch))),
-           "--max-queue", str(args.num_requests), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    for i, d in enumerate(adapter_dirs):
-        cmd += ["--adapter", f"a{i}={d}"]
-    cmd += flags
-    proc = wait_ready(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}" if http_port else ""
-
-
-def wait_ready(proc: subprocess.Popen) -> subprocess.Popen:
-    """Read a lora-serve process's output up to its ready line (warm-up included)."""
-    for line in proc.stdout:
-        if "ready on" in line:
-            return proc
-    raise RuntimeError(f"lora-serve exited with {proc.wait()} before it was ready")
-
-
-def report(results: list[RequestResult], duration: float) -> float:
+def report(results: list[StreamRecord], duration: float) -> float:
     ok = [r for r in results if r.error is None]
     errors = [r.error for r in results if r.error]
     itl = [x for r in ok for x in r.itl]
@@ -252,6 +155,8 @@ def main() -> None:
     p.add_argument("--http-target", help="with --target and --door http/both: the HTTP door's base URL")
     p.add_argument("--model", help="a checkpoint directory to serve (default: the SmolLM2-135M-shaped random one); "
                                    "'llama-1b': the Llama-3.2-1B-shaped bf16 one of benchmarks.cuda")
+    add_model_size(p)
+    p.add_argument("--no-compile", action="store_true", help="serve and measure the bare engine eagerly (fast start)")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     names = [f"a{i}" for i in range(args.adapters)]
@@ -266,10 +171,11 @@ def main() -> None:
     if args.model == "llama-1b":
         model = random_checkpoint("llama-1b-shaped-bf16", LLAMA_1B, torch.bfloat16)
     else:
-        model = Path(args.model) if args.model else smollm2_checkpoint()
+        model = Path(args.model) if args.model else sized_checkpoint(args.model_size)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_lora_adapters(model, Path(tmp), names)
-        proc, target, http_target = start_server(model, list(adapters.values()), args)
+        server = start_server(model, list(adapters.values()), args)
+        target, http_target = server.target, server.http_url
         try:
             print(f"lora-serve at {target} ({args.door} door): batch {args.max_batch_size}, {args.adapters} adapters "
                   f"({'zipf ' + str(args.zipf) if args.zipf else 'uniform'}), rate {args.rate or 'inf'} req/s")
@@ -279,13 +185,12 @@ def main() -> None:
             served = asyncio.run(run_load(http_target if args.door == "http" else target, args, names, args.door))
             p95 = report(*served)
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            server.stop()
         # The bare engine, same weights and adapters, same batch size, decoding with the same adapter mix.
         from lora_compile import Engine, EngineConfig
         engine = Engine(EngineConfig(model=str(model), max_batch_size=args.max_batch_size, max_seq_len=512,
                                      max_loras_per_batch=max(1, min(args.adapters, args.max_loras_per_batch)),
-                                     max_num_batched_tokens=args.max_num_batched_tokens))
+                                     max_num_batched_tokens=args.max_num_batched_tokens, compile=not args.no_compile))
         register_adapters(engine, adapters)
         engine.warmup()
         mix = names[: engine.config.max_loras_per_batch] or [None]

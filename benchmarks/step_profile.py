@@ -1,6 +1,7 @@
 """Where a CPU decode step's time goes, by kernel family: the profile that names what a peer comparison is made of.
 
-    python -m benchmarks.step_profile [--batches 8 32] [--steps 24] [--prompt-len 48] [--threads 2]
+    python -m benchmarks.step_profile [--batches 8 32] [--steps 24] [--prompt-len 48] [--threads 2] [--no-compile]
+                                      [--model-size tiny]
 
 The SmolLM2-135M-shaped checkpoint (benchmarks.common), compiled, float32, the base model and 8 rank-16 adapters
 on all 7 projections mixed across the batch. torch.profiler over --steps decode steps; per step, milliseconds and
@@ -18,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import cpu_report
-from benchmarks.common import decode_step_time, register_adapters, smollm2_checkpoint, write_lora_adapters
+from benchmarks.common import add_model_size, decode_step_time, register_adapters, sized_checkpoint, write_lora_adapters
 from lora_compile import Engine, EngineConfig
 from service import allocator
 from service.runner import engine_thread
@@ -50,18 +51,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-compile", action="store_true", help="an eager engine (no torch.compile: starts in seconds)")
+    add_model_size(p)
     args = p.parse_args()
     allocator.reexec_with_tcmalloc()  # measure what lora-serve runs on (LORA_SERVE_ALLOCATOR=system: glibc's)
     engine_thread.call(torch.set_num_threads, args.threads)
     print(cpu_report.describe(args.threads))
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     names = [f"a{i}" for i in range(8)]
     adapters = write_lora_adapters(model, Path(tempfile.mkdtemp()), names)
 
     def build() -> Engine:
         engine = Engine(EngineConfig(model=str(model), dtype="float32", max_num_seqs=max(args.batches),
                                      max_seq_len=args.prompt_len + args.steps + 64, max_num_batched_tokens=512,
-                                     max_loras_per_batch=8, max_lora_rank=16))
+                                     max_loras_per_batch=8, max_lora_rank=16, compile=not args.no_compile))
         register_adapters(engine, adapters)
         engine.warmup()
         return engine

@@ -1,7 +1,7 @@
 """JSON-schema-constrained decode against free decode, side by side on one engine, and what a schema's compile costs
 the first and the second time it is asked for.
 
-    python -m benchmarks.structured_output [--batch 8] [--steps 32] [--rounds 5]
+    python -m benchmarks.structured_output [--batch 8] [--steps 32] [--rounds 5] [--no-compile] [--model-size tiny]
 
 The SmolLM2-135M-shaped checkpoint (random weights), compiled, float32, 8 rank-16 adapters on all 7 projections
 mixed across the batch, 64-token prompts. Every sequence of the constrained rounds is held to a JSON schema whose
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (decode_step_time, interleaved, register_adapters, smollm2_checkpoint,
+from benchmarks.common import (add_model_size, decode_step_time, interleaved, register_adapters, sized_checkpoint,
                                write_lora_adapters)
 from lora_compile import Engine, EngineConfig
 from lora_compile.sample.structured_output import StructuredOutput
@@ -32,12 +32,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--no-compile", action="store_true", help="an eager engine (no torch.compile: starts in seconds)")
+    add_model_size(p)
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    model = smollm2_checkpoint()
+    model = sized_checkpoint(args.model_size)
     names = [f"a{i}" for i in range(8)]
     engine = Engine(EngineConfig(model=str(model), dtype="float32", max_num_seqs=args.batch, max_seq_len=512,
-                                 max_num_batched_tokens=512, max_loras_per_batch=8, max_lora_rank=16))
+                                 max_num_batched_tokens=512, max_loras_per_batch=8, max_lora_rank=16,
+                                 compile=not args.no_compile))
     with tempfile.TemporaryDirectory() as tmp:
         register_adapters(engine, write_lora_adapters(model, Path(tmp), names))
         engine.warmup()

@@ -2,6 +2,7 @@
 batch-init share read back from the exported engine.step spans.
 
     python -m benchmarks.tracing [--batch 32] [--new-tokens 48] [--rounds 3] [--adapters 4] [--no-compile]
+                                 [--model-size tiny]
 
 With many short rounds (e.g. --rounds 60 --new-tokens 16; more than 15 minutes on 2 cores) the paired on/off
 ratios give a confidence interval of the overhead narrower than one round's noise.
@@ -26,7 +27,7 @@ import grpc.aio
 import torch
 
 import service.runner.engine_thread as engine_thread
-from benchmarks.common import proc_stat, smollm2_checkpoint, write_lora_adapter
+from benchmarks.common import add_model_size, proc_stat, sized_checkpoint, write_lora_adapter
 from benchmarks.engine import LIMITS
 from lora_compile import Engine, EngineConfig
 from service._proto import pb, pb_grpc
@@ -101,7 +102,7 @@ def bootstrap_ci(values: list[float], resamples: int = 10000, seed: int = 0) -> 
 
 async def run(args: argparse.Namespace) -> None:
     def setup() -> tuple[Engine, list[str | None]]:  # in the engine thread, as a server runs it
-        model = smollm2_checkpoint()
+        model = sized_checkpoint(args.model_size)
         engine = Engine(EngineConfig(model=str(model), compile=not args.no_compile, **LIMITS))
         for i in range(args.adapters):
             path = write_lora_adapter(model, model.parent / f"lora-r16-{i}", rank=16, seed=100 + i)
@@ -179,6 +180,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
     p.add_argument("--adapters", type=int, default=4, help="distinct adapters, besides the base model")
     p.add_argument("--no-compile", action="store_true")
+    add_model_size(p)
     args = p.parse_args()
     asyncio.run(run(args))
 

@@ -15,27 +15,26 @@ vllm:time_to_first_token_seconds' sum over the delta of its count, its median th
 a bucket, as PromQL's histogram_quantile). The client's numbers are those of the run's saved result (its per-request
 TTFTs). The server's TTFT runs from the request's arrival at the engine runner to the end of the step that made the
 first token; the client's also holds the HTTP exchange, parsing, the chat template, tokenizing and sending the
-first event, so the client's is the larger by that much. Exits 1 when the chat stream's mean is not within 20 %.
+first event, so the client's is the larger by that much. Exits 1 when the chat stream's mean is not within 20 %;
+without vLLM's environment it says so in one line and stops.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import urllib.request
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import smollm2_checkpoint
+from benchmarks.common import add_model_size, sized_checkpoint
+from benchmarks.server import ServerProcess, lora_serve
 from service.telemetry.prometheus_names import METRICS_PREFIXES
 
 SERVED_NAME = "smollm2-135m-shaped"
@@ -107,41 +106,10 @@ def chat_checkpoint(model: Path, out: Path) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A lora-serve process; its output is read all along (the access log would fill the pipe) and the last
-    lines kept for an error message."""
-
-    def __init__(self, model: Path, args: argparse.Namespace):
-        self.http_port = _free_port()
-        cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(_free_port()),
-               "--http-port", str(self.http_port), "--served-model-name", SERVED_NAME,
-               "--metrics-prefix", args.metrics_prefix, "--max-num-seqs", str(args.max_num_seqs),
-               "--max-model-len", "512", "--max-queue", str(args.num_prompts)]
-        if args.no_compile:
-            cmd.append("--no-compile")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.tail: deque[str] = deque(maxlen=20)
-        self._ready = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
-        while not self._ready.wait(1):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lora-serve exited with {self.proc.returncode}:\n{''.join(self.tail)}")
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.tail.append(line)
-            if "ready on" in line:
-                self._ready.set()
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+def start_server(model: Path, args: argparse.Namespace) -> ServerProcess:
+    return lora_serve(model, "--served-model-name", SERVED_NAME, "--metrics-prefix", args.metrics_prefix,
+                      "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "512",
+                      "--max-queue", str(args.num_prompts), *(["--no-compile"] if args.no_compile else []))
 
 
 # `vllm bench serve` as vLLM's CLI runs it (vllm/entrypoints/cli/main.py): the venv's `vllm` script itself stops
@@ -213,13 +181,16 @@ def main() -> None:
     p.add_argument("--warmup-prompts", type=int, default=8,
                    help="a bench serve run of this many requests first, left out of the comparison (0: none)")
     p.add_argument("--no-compile", action="store_true", help="serve eagerly (fast start, slower steps)")
+    add_model_size(p)
     args = p.parse_args()
     venv = Path(args.vllm_venv) if args.vllm_venv else None
-    if venv is None or not (venv / "bin" / "python").exists():
-        sys.exit("vLLM's bench client: no --vllm-venv / LORA_SERVE_VLLM_VENV with bin/python (docs/benchmarks.md)")
+    if venv is None or not (venv / "bin" / "python").exists():  # the whole comparison is vLLM's client
+        print("vLLM's bench client: skipped (no --vllm-venv / LORA_SERVE_VLLM_VENV with bin/python; "
+              "docs/benchmarks.md)")
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        model = chat_checkpoint(smollm2_checkpoint(), Path(tmp) / "model")
-        server = Server(model, args)
+        model = chat_checkpoint(sized_checkpoint(args.model_size), Path(tmp) / "model")
+        server = start_server(model, args)
         metric = f"{args.metrics_prefix}:time_to_first_token_seconds"
         try:
             print(f"lora-serve (--metrics-prefix {args.metrics_prefix}{', eager' if args.no_compile else ''}), "
@@ -236,7 +207,7 @@ def main() -> None:
                 ratios[backend] = compare(backend, result, scrape_histogram(server.http_port, metric) - before)
                 print("  vllm bench serve " + " ".join({str(model): "<model>", tmp: "<tmp>"}.get(c, c) for c in cmd))
         finally:
-            server.close()
+            server.stop()
     if "openai-chat" in ratios:
         ok = abs(ratios["openai-chat"] - 1) <= TOLERANCE
         print(f"chat stream: client mean TTFT / server's = {ratios['openai-chat']:.3f} "

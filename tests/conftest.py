@@ -87,8 +87,8 @@ COMPILED_ENGINE_FILES = ("test_cuda.py", "test_engine_compile.py", "test_engine_
 # The longest work units start first (longest-processing-time order), so no worker is left with one long file
 # while the other idles at the end. From `scripts/test.sh --durations=0` on 2 cores, longest first; files not
 # listed follow in collection order.
-LONGEST_FIRST = ("compiled engines", "test_model_families.py", "test_real_demo.py", "test_soak.py",
-                 "test_scaleout.py", "test_fuzz.py", "test_faults.py", "test_service_process.py",
+LONGEST_FIRST = ("compiled engines", "test_benchmarks_run.py", "test_model_families.py", "test_real_demo.py",
+                 "test_soak.py", "test_scaleout.py", "test_fuzz.py", "test_faults.py", "test_service_process.py",
                  "test_service_on_demand.py", "test_service_generate.py", "test_tool_calls.py", "test_connections.py")
 
 
