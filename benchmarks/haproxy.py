@@ -1,7 +1,7 @@
 """A real HAProxy in front of lora-serve processes on loopback ports (benchmarks.scaleout): the shipped
 deploy/haproxy/haproxy.cfg with only its addresses rewritten.
 
-The benchmark's own copy of what tests/replicas.py does for the scale-out tests (benchmarks import nothing from
+The one copy, for the scale-out benchmark and tests (tests/replicas.py imports it; benchmarks import nothing from
 tests/): the config rendering, the check timing read from it, and the process with its stats socket.
 """
 from __future__ import annotations
@@ -36,8 +36,10 @@ def render_haproxy_config(servers: dict[str, tuple[int, int]], ports: tuple[int,
     return re.sub(r"\n\n+(?=  )", "\n", text)
 
 
-def check_timing(text: str) -> dict[str, float]:
-    """inter, fastinter, fall, rise and the check timeout (seconds / counts) of a config's default-server."""
+def check_timing(text: str | None = None) -> dict[str, float]:
+    """inter, fastinter, fall, rise and the check timeout (seconds / counts) of a config's default-server (the
+    shipped config's when `text` is None)."""
+    text = text or HAPROXY_CFG.read_text()
     line = re.search(r"(?m)^  default-server (.*)$", text).group(1).split()
     value = {k: line[line.index(k) + 1] for k in ("inter", "fastinter", "fall", "rise")}
     timeout = re.search(r"(?m)^  timeout check (\S+)", text).group(1)
@@ -77,6 +79,10 @@ class HAProxy:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
     def command(self, line: str) -> str:
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(self.socket))
@@ -105,6 +111,12 @@ class HAProxy:
             return self.states(backend)
         except OSError:  # the socket is not there yet
             return {}
+
+    def down_within(self) -> float:
+        """Longest a SERVING -> NOT_SERVING change can take to mark a server DOWN: a check in flight (inter +
+        timeout), then `fall` failed ones at fastinter; twice that, for a busy machine."""
+        t = self.timing
+        return 2 * (t["inter"] + t["timeout"] + t["fall"] * (t["fastinter"] + t["timeout"]))
 
     def up_within(self) -> float:
         """Longest a server takes to be marked UP (`rise` checks), twice that for a busy machine."""
