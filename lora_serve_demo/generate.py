@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     adapters = dict(a.split("=", 1) for a in args.adapter)
     if args.model is None:
-        from lora_serve_demo.select import prepare_demo  # the demo is not the engine's: only this command uses it
+        from lora_serve_demo.select import prepare_demo  # (only without --model: it may build the demo)
 
         demo = prepare_demo()
         model = demo.model
