@@ -13,13 +13,11 @@ import torch
 from .. import compile_policy, heap, huge_pages
 from ..config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from ..errors import AdapterOutputError
-from ..host_memory import available_memory_bytes
 from ..kv_cache import KVCacheManager, kv_cache_size
 from ..kv_cache.sizing import format_bytes
+from ..lora.host_cache import host_cache_bytes
 from ..lora.manager import LoRAManager
 from ..lora.merge import build_merger
-from ..model import packed_gemm, quantization
-from ..model.causal_lm import CausalLM, projection_tensors
 from ..model.forward_batch import ForwardBatch
 from ..model.layers import rope_tables
 from ..model.loader.source import ModelSource
@@ -32,34 +30,13 @@ from ..tokenizer import Tokenizer
 from . import compiled_stack
 from .batch_init import BatchInit, Planned, StepInputs
 from .cuda_graphs import DecodeGraphs, GraphShape
+from .model_loading import load_model
 from .scheduler import Scheduler, SchedulerOutput
 from .step_ahead import StepAhead
-from .step_output import AdmitOutcome, StepOutput
+from .step_output import AdmitOutcome, StepOutput, adapter_output_error, non_finite_message
 
 
-HOST_CACHE_SHARE = 8  # default host cache of adapters: 1/8 of the memory available at start
 log = logging.getLogger(__name__)
-
-
-def _host_cache_bytes(config: EngineConfig) -> int:
-    if config.max_cpu_lora_bytes is not None:
-        return config.max_cpu_lora_bytes
-    available = available_memory_bytes()
-    return available // HOST_CACHE_SHARE if available is not None else 1 << 30
-
-
-def _non_finite_message(seq: Sequence) -> str:
-    return (f"the base model produced non-finite logits (NaN or infinity) at position {seq.num_tokens}: its "
-            "weights overflow on this input; the sequence was ended (other requests are unaffected)")
-
-
-def _adapter_output_error(seq: Sequence, registered: bool) -> AdapterOutputError:
-    fix = ("load it again (LoadAdapter) or restart the server" if registered
-           else "the adapter directory's copy is read again once its files change")
-    return AdapterOutputError(
-        f"adapter {seq.adapter!r} produces non-finite values (NaN or infinity) at run time: its weights overflow "
-        f"(first seen at position {seq.num_tokens} of a request). Its requests are refused until its weights are "
-        f"fixed or replaced: {fix}")
 
 
 class Engine:
@@ -89,27 +66,9 @@ class Engine:
                                                                   mc.attn_logit_softcapping)
         self.prefill_backend = compile_policy.prefill_attention_backend(config.attention_backend,
                                                                         mc.attn_logit_softcapping)
-        with source.open_checkpoint() as ckpt:
-            forms, described = quantization.plan(config.quantization, config.quantization_group_size, ckpt,
-                                                 *projection_tensors(mc), self.device, self.dtype)
-            for line in described:
-                log.info("weights %s", line)
-            embed, tied = "model.embed_tokens.weight", mc.tie_word_embeddings
-            embed_form, embed_lines = quantization.table_form(config.quantization, ckpt, embed, "embeddings",
-                                                              mc.hidden_size, self.device, self.dtype)
-            head_form, head_lines = quantization.table_form(
-                config.quantization, ckpt, embed if tied else "lm_head.weight", "head (tied)" if tied else "head",
-                mc.hidden_size, self.device, self.dtype)
-            for line in embed_lines + head_lines:
-                log.info("weights %s", line)
-            self.model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, self.dtype, self.device,
-                                  self.lora_kernel, self.attention_backend, forms, head_form, embed_form,
-                                  self.prefill_backend)
-            self.model.load_weights(ckpt)
-        heap.release_free_memory()  # (loading's temporaries: docs/operations.md, quantized weights)
-        self.quantized = any(form.kind != "none" for layer in forms for form in layer.values())
-        if config.prepack_weights and packed_gemm.available(self.device, self.dtype):
-            self.model.prepack_weights()
+        loaded = load_model(config, source, self.device, self.dtype, self.lora_kernel, self.attention_backend,
+                            self.prefill_backend)
+        self.model, self.quantized = loaded.model, loaded.quantized
         # Sized after the weights and adapter slots are allocated: on CUDA the default budget is what they leave.
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         size = kv_cache_size(config, mc, kv_dtype, self.device)
@@ -126,7 +85,7 @@ class Engine:
             log.info(huge_pages.status())
         self.rope_cos, self.rope_sin = rope_tables(mc, config.max_seq_len, self.dtype, self.device)
         self.adapters = LoRAManager(
-            self.model, mc, config.max_loras_per_batch, config.max_lora_rank, _host_cache_bytes(config),
+            self.model, mc, config.max_loras_per_batch, config.max_lora_rank, host_cache_bytes(config.max_cpu_lora_bytes),
             tuple(config.adapter_roots), tuple(config.adapter_dirs), config.adapter_loader_threads, self.device,
         )
         self.scheduler = Scheduler(config, self.kv_cache, self.adapters,
@@ -295,11 +254,11 @@ class Engine:
                 seq.finish_reason = "error"
                 if seq.adapter:  # and its adapter is refused from now on
                     if seq.adapter not in failed:
-                        failed[seq.adapter] = _adapter_output_error(seq, self.adapters.is_registered(seq.adapter))
+                        failed[seq.adapter] = adapter_output_error(seq, self.adapters.is_registered(seq.adapter))
                         self.adapters.mark_failed(seq.adapter, failed[seq.adapter])
                     seq.error = str(failed[seq.adapter])
                 else:
-                    seq.error = _non_finite_message(seq)
+                    seq.error = non_finite_message(seq)
                 continue
             seq.output_ids.append(token)
             if result.logprobs is not None and (seq.sampling.logprobs or seq.sampling.top_logprobs):

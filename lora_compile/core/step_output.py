@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import AdapterOutputError
+from ..sequence import Sequence
 
 
 class AdmitOutcome(enum.Enum):
@@ -47,3 +48,17 @@ class StepOutput:
         """Wall clock at the end of sampling (the phases back to back, as the step span lays them out)."""
         return (self.start_ns + int(self.batch_init_s * 1e9) + int(self.merge_s * 1e9) + int(self.forward_s * 1e9)
                 + int(self.batch_init_ahead_s * 1e9) + int(self.sample_s * 1e9))
+
+
+def non_finite_message(seq: Sequence) -> str:
+    return (f"the base model produced non-finite logits (NaN or infinity) at position {seq.num_tokens}: its "
+            "weights overflow on this input; the sequence was ended (other requests are unaffected)")
+
+
+def adapter_output_error(seq: Sequence, registered: bool) -> AdapterOutputError:
+    fix = ("load it again (LoadAdapter) or restart the server" if registered
+           else "the adapter directory's copy is read again once its files change")
+    return AdapterOutputError(
+        f"adapter {seq.adapter!r} produces non-finite values (NaN or infinity) at run time: its weights overflow "
+        f"(first seen at position {seq.num_tokens} of a request). Its requests are refused until its weights are "
+        f"fixed or replaced: {fix}")
