@@ -66,7 +66,7 @@ def _prompt(tokenizer, question: str) -> str:
 def base_answers(model_path: Path, max_new_tokens: int) -> list[str]:
     """The base model's greedy answers, from lora-serve's engine (one batch; transformers' tokens, tested)."""
     from lora_compile import Engine, EngineConfig, SamplingParams
-    from service.chat_template import load_chat_template
+    from service.front.chat_template import load_chat_template
 
     engine = Engine(EngineConfig(model=str(model_path), compile=False, dtype="float32", max_num_seqs=len(QUESTIONS),
                                  max_seq_len=256, max_num_batched_tokens=512))

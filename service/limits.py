@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # a 1 MiB request holds far more prompt than any context here
 
-# Fixed bounds on a Generate call's fields (both doors; service/prepare.py checks them).
+# Fixed bounds on a Generate call's fields (both doors; prepare.py checks them).
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_CHARS = 256  # per stop string: longer ones would hold back that much text
@@ -22,7 +22,7 @@ MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024  # a JSON schema, regex, choice list or 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The one object of operator limits: the CLI fills it, the runner and the servicers read it."""
+    """The one object of operator limits: the CLI fills it, the runner, the request front and the doors read it."""
 
     max_queue: int = 256                       # requests waiting beyond a full batch before RESOURCE_EXHAUSTED
     retry_after_s: float = 1.0                 # RetryInfo sent with RESOURCE_EXHAUSTED

@@ -1,6 +1,7 @@
-"""The serving process above both doors: one runner, the gRPC door (grpc_api/) and the HTTP door (http_api/) on
-one event loop, what observes the runner (tracing, /metrics, the access log, the stats line), warm-up, and
-graceful drain. Neither door imports the other; this module wires them."""
+"""The serving process above both doors: one runner, the request front both doors hold (front/), the gRPC door
+(grpc_api/) and the HTTP door (http_api/) on one event loop, what observes the runner (tracing, /metrics, the
+access log, the stats line), warm-up, and graceful drain. Neither door imports the other, nor the runner; this
+module wires them."""
 from __future__ import annotations
 
 import asyncio
@@ -15,13 +16,13 @@ from dataclasses import dataclass, field
 
 from lora_compile import Engine
 from service.connections import ConnectionLimits, raise_open_files_limit
+from service.front.chat_template import load_chat_template
+from service.front.front import RequestFront
+from service.limits import RequestLimits
 from service.grpc_api.server import GrpcServer
 from service.http_api.app import HttpDoor, create_app
-from service.chat_template import load_chat_template
 from service.http_api.server import HttpServer
 from service.lifecycle import ServingState
-from service.limits import RequestLimits
-from service.prepare import Preparer
 from service.runner.observer_group import ObserverGroup
 from service.runner.engine_runner import EngineRunner
 from service.security import SecurityConfig
@@ -97,7 +98,7 @@ class LoraServer:
         self.telemetry = telemetry  # None: tracing off (see telemetry/setup.py)
         self.state = ServingState.WARMING_UP
         self.runner = EngineRunner(engine, config.limits, served_model_names=config.served_model_names)
-        self.preparer = Preparer(self.runner, config.limits)  # both doors' way in
+        self.front = RequestFront(self.runner, config.limits)  # both doors' one way to the runner
         info = self.runner.model_info()
         # Tracing on: the observer builds request and step spans from what the runner and the interceptor report.
         self.observer = (TelemetryObserver(telemetry, info.model, self.runner.is_adapter_known,
@@ -117,7 +118,7 @@ class LoraServer:
         # One chat template for both doors (--chat-template, else the model's).
         self.chat_template = load_chat_template(self.runner.model_dir, config.chat_template)
         self.grpc = GrpcServer(
-            self.runner, self.preparer, chat_template=self.chat_template, limits=config.limits, security=config.security,
+            self.front, chat_template=self.chat_template, limits=config.limits, security=config.security,
             connections=config.connections, replica_id=config.replica_id, state=lambda: self.state,
             doors=self.doors, tracing=TracingInterceptor(telemetry, self.observer) if telemetry is not None else None)
         self.port: int | None = None
@@ -131,9 +132,9 @@ class LoraServer:
         return self.grpc.health
 
     def _http_door(self) -> HttpServer:
-        """The OpenAI-compatible door: the same runner, preparer (validation, limits), tokens and TLS."""
+        """The OpenAI-compatible door: the same request front (capacity, validation, limits), tokens and TLS."""
         door = HttpDoor(
-            runner=self.runner, preparer=self.preparer, security=self.config.security,
+            front=self.front, security=self.config.security,
             state=lambda: self.state, metrics=self.metrics, max_body_bytes=self.config.limits.max_message_bytes,
             chat_template=self.chat_template, tool_call_parser=self.config.tool_call_parser,
             tracer=HttpTracer(self.telemetry, self.observer) if self.telemetry is not None else None,

@@ -292,7 +292,7 @@ CONFIG_FIELDS = {
     "rank_pattern": st.dictionaries(regexish, st.integers(0, 9) | json_values, max_size=4) | json_values,
     "alpha_pattern": st.dictionaries(regexish, st.floats() | json_values, max_size=4) | json_values,
     "use_rslora": json_values, "peft_type": json_values, "modules_to_save": json_values, "bias": json_values,
-    "use_dora": json_values,
+    "use_dora": json_values, "alora_invocation_tokens": json_values,
 }
 
 

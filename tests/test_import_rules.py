@@ -3,6 +3,8 @@ so a new import that breaks a rule fails here, not in a reader's head.
 
 - lora_compile imports nothing from the service, the demo, the benchmarks or the tests, and the service's doors
   (gRPC, HTTP), telemetry and SDK import nothing of lora_compile (they reach it through the runner and the front);
+- the doors import nothing of the runner either: only the request front (service/front/), the server that wires
+  them, telemetry and the CLI do;
 - no import cycle among its modules (imports inside functions count; `if TYPE_CHECKING:` ones, for annotations
   only, do not);
 - its sub-packages import downwards only: `model/` (families, layers, attention, loaders, weight forms),
@@ -42,13 +44,14 @@ def _type_checking_only(node: ast.If) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
-    """The modules `name` imports when it runs (any depth in the file, TYPE_CHECKING blocks left out)."""
+def _imports(path: Path, name: str, modules: dict[str, Path], annotations: bool = False) -> set[str]:
+    """The modules `name` imports when it runs (any depth in the file, TYPE_CHECKING blocks left out unless
+    `annotations`)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
+        if isinstance(node, ast.If) and _type_checking_only(node) and not annotations:
             for child in node.orelse:
                 visit(child)
             return
@@ -142,8 +145,12 @@ def test_the_rules_see_the_imports_they_judge():
 
 
 # The service's parts that must not reach the engine but through service/runner/ (its only holder), the request
-# front (service/prepare.py) and the shared error mapping (service/errors.py): the two doors, telemetry, the SDK.
+# front (service/front/) and the shared error mapping (service/errors.py): the two doors, telemetry, the SDK.
 DOORS = ("service/grpc_api", "service/http_api", "service/telemetry", "service/client")
+# Who may import the runner (service/runner/): the request front (both doors' one way to it, whose package hands
+# the doors the runner's types they read), the process that wires runner, front and doors (service/server.py),
+# telemetry (it observes the runner's requests and steps) and the CLI (the engine thread). Not the doors.
+RUNNER_HOLDERS = ("service.front", "service.server", "service.telemetry", "service.cli", "service.cli_vllm")
 
 
 def test_the_doors_reach_the_engine_only_through_the_runner_and_the_front():
@@ -153,3 +160,20 @@ def test_the_doors_reach_the_engine_only_through_the_runner_and_the_front():
             name = _module_name(path)
             bad += [f"{name} imports {t}" for t in _imports(path, name, {}) if t.split(".")[0] == "lora_compile"]
     assert not bad, "a door reaches the engine directly:\n" + "\n".join(sorted(bad))
+
+
+def test_only_the_front_the_server_telemetry_and_the_cli_import_the_runner():
+    """So the HTTP and the gRPC walks visit the same front files after their own parsing: a door that asked the
+    runner itself (even for a type in an annotation) would have a path of its own."""
+    bad = []
+    for path in (ROOT / "service").rglob("*.py"):
+        name = _module_name(path)
+        if _within(name, ("service.runner", *RUNNER_HOLDERS)):
+            continue
+        bad += [f"{name} imports {t}" for t in _imports(path, name, {}, annotations=True)
+                if _within(t, ("service.runner",))]
+    assert not bad, "the runner reached around the request front:\n" + "\n".join(sorted(bad))
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)

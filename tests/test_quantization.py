@@ -123,7 +123,7 @@ def test_mixed_gguf_is_held_quantized_and_equals_transformers_and_peft_compiled(
     from tests.test_engine_compile import random_workload
 
     path, adapter = mixed
-    with caplog.at_level(logging.INFO, logger="lora_compile.core.engine"):
+    with caplog.at_level(logging.INFO, logger="lora_compile.core"):
         engine = Engine(EngineConfig(model=str(path), compile=True, inductor_cache_dir=INDUCTOR_CACHE,
                                      quantization="gguf", **ENGINE_LIMITS))
     log = caplog.text
@@ -145,11 +145,11 @@ def test_mixed_gguf_is_held_quantized_and_equals_transformers_and_peft_compiled(
 
 def test_auto_keeps_blocks_in_bfloat16_only_and_refusals_say_what_to_change(mixed, caplog):
     path, _ = mixed
-    with caplog.at_level(logging.INFO, logger="lora_compile.core.engine"):
+    with caplog.at_level(logging.INFO, logger="lora_compile.core"):
         full = Engine(EngineConfig(model=str(path), compile=False, **(ENGINE_LIMITS | dict(dtype="float32"))))
     assert not full.quantized and "weights torch.float32: dequantised (torch's weight-only kernels" in caplog.text
     assert all(p.weight is not None for layer in full.model.layers for p, _ in layer.projections())
-    with caplog.at_level(logging.INFO, logger="lora_compile.core.engine"):
+    with caplog.at_level(logging.INFO, logger="lora_compile.core"):
         held = Engine(EngineConfig(model=str(path), compile=False, **(ENGINE_LIMITS | dict(dtype="bfloat16"))))
     assert held.quantized and held.model.layers[0].self_attn.qkv_proj.quant == "int4"
     # The embeddings' Q8_0 blocks kept (rows exactly the dequantised table's, in bfloat16); the Q6_K head widened.
@@ -199,7 +199,7 @@ def demo():
 
 
 def _prompts(engine: Engine) -> list[list[int]]:
-    from service.chat_template import load_chat_template
+    from service.front.chat_template import load_chat_template
 
     template = load_chat_template(engine.tokenizer_dir)
     chats = [template.render([{"role": "user", "content": q}], True, None) for q in QUESTIONS]

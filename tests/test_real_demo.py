@@ -12,7 +12,7 @@ import pytest
 
 from lora_compile import Engine, EngineConfig
 from lora_serve_demo.smollm2 import ADAPTER_NAMES, SERVED_NAME, demo_adapters, fetch_smollm2
-from service.chat_template import load_chat_template
+from service.front.chat_template import load_chat_template
 from tests.checkpoints import greedy
 from tests.gguf_files import load_gguf_reference
 from tests.test_engine_golden import run_joining

@@ -5,7 +5,7 @@ import json
 from typing import Any
 
 from service._proto import pb
-from service.generate_params import FieldNames, GenerateParams
+from service.front.generate_params import FieldNames, GenerateParams
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "n")

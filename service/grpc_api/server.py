@@ -10,16 +10,15 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from service._proto import pb, pb_grpc
-from service.chat_template import ChatTemplate
 from service.connections import ConnectionLimits
+from service.front import RequestFront
+from service.front.chat_template import ChatTemplate
+from service.limits import RequestLimits
 from service.grpc_api.interceptors import ErrorInterceptor
 from service.grpc_api.reflection import enable_reflection
 from service.grpc_api.security import AuthInterceptor
 from service.grpc_api.servicers import AdaptersServicer, GenerationServicer
 from service.lifecycle import ServingState
-from service.limits import RequestLimits
-from service.prepare import Preparer
-from service.runner.engine_runner import EngineRunner
 from service.security import SecurityConfig, TlsConfig
 from service.telemetry.interceptor import TracingInterceptor
 
@@ -29,7 +28,7 @@ SERVICE_NAMES = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values
 class GrpcServer:
     """bind() → start() → (set_serving) → stop(). Health answers NOT_SERVING until set_serving(True)."""
 
-    def __init__(self, runner: EngineRunner, preparer: Preparer, *, limits: RequestLimits, security: SecurityConfig,
+    def __init__(self, front: RequestFront, *, limits: RequestLimits, security: SecurityConfig,
                  connections: ConnectionLimits, replica_id: str, state: Callable[[], ServingState], doors: int,
                  tracing: TracingInterceptor | None = None, chat_template: ChatTemplate | None = None):
         self.health = health.aio.HealthServicer()
@@ -44,9 +43,8 @@ class GrpcServer:
                        if limits.max_streams_per_connection else []),
                      *connections.grpc_options(doors=doors)],
         )
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(runner, preparer, replica_id, chat_template),
-                                                 self._server)
-        pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runner), self._server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(front, replica_id, chat_template), self._server)
+        pb_grpc.add_AdaptersServicer_to_server(AdaptersServicer(front), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection((*SERVICE_NAMES, health.SERVICE_NAME), self._server)
 

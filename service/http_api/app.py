@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP door (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics. A request becomes the GenerateParams a gRPC request becomes (openai_params.py) and goes through the
-same `prepare` (service/prepare.py: tokenizing, every limit, the adapter check) into the same EngineRunner, so
-the two doors share validation, limits, errors and the batch."""
+same request front (service/front/: capacity, tokenizing, every limit, the adapter check) into the same
+EngineRunner, so the two doors share validation, limits, errors and the batch."""
 from __future__ import annotations
 
 import logging
@@ -13,23 +13,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.affinity import REPLICA_ID_HEADER
-from service.chat_template import ChatTemplate, render_chat
 from service.errors import InvalidArgument, NotFound, Unavailable
+from service.front import GenerateParams, RequestFront
+from service.affinity import REPLICA_ID_HEADER
+from service.front.chat_template import ChatTemplate, render_chat
 from service.http_api import openai_params, vllm_routes
 from service.http_api.errors import error_body, error_response, grpc_status
 from service.http_api.hosts import HostCheck, HostPolicy
 from service.http_api.model_cards import model_cards
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, dumped
-from service.http_api.prompts import completion_params, prepare_all
+from service.http_api.prompts import completion_params
 from service.http_api.request_checks import authorize, read_body, require_json
 from service.http_api.responses import Responder
 from service.http_api.sse import EventStream, until_disconnect
 from service.http_api.tool_calls import ToolPlan, plan_tools
-from service.generate_params import GenerateParams
 from service.lifecycle import ServingState
-from service.prepare import Preparer
-from service.runner.engine_runner import EngineRunner
 from service.security import BearerAuth, SecurityConfig
 from service.telemetry.http_tracing import HttpTracer
 from service.telemetry.prometheus import CONTENT_TYPE, PrometheusMetrics
@@ -43,8 +41,7 @@ _LIST = "/loraserve.v1.Adapters/ListAdapters"
 class HttpDoor:
     """What the HTTP routes need from the server (the same objects the gRPC door uses)."""
 
-    runner: EngineRunner
-    preparer: Preparer  # the gRPC door's too: tokenizing, every limit, the adapter check
+    front: RequestFront  # the gRPC door's too: capacity, tokenizing, every limit, the adapter check, the runner
     security: SecurityConfig
     state: Callable[[], ServingState]
     metrics: PrometheusMetrics
@@ -111,8 +108,8 @@ class ReplicaHeader:
 class _Routes:
     def __init__(self, door: HttpDoor):
         self.door = door
-        self.runner = door.runner
-        self.info = door.runner.model_info()
+        self.front = door.front
+        self.info = door.front.model_info()
         self.auth = BearerAuth(door.security)
 
     # --- open endpoints ----------------------------------------------------------------------------------
@@ -131,7 +128,7 @@ class _Routes:
             self._authorize(request, _LIST)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        return JSONResponse({"object": "list", "data": model_cards(self.runner)})
+        return JSONResponse({"object": "list", "data": model_cards(self.front)})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "/v1/completions", CompletionRequest)
@@ -166,10 +163,9 @@ class _Routes:
             if tracer is not None:
                 tracer.record_request(call, params[0])
             try:
-                reqs = await prepare_all(self.door.preparer, params)
+                parent = await self.front.submit(params)
             except NotFound as e:  # an adapter that is not loaded: `model`'s 404
                 raise openai_params.openai_error(e) from None
-            parent = self.runner.add_parent_request(reqs)
         except Exception as exc:  # noqa: BLE001 - every refusal is an OpenAI error body
             response = error_response(exc)
             if tracer is not None:
@@ -177,7 +173,7 @@ class _Routes:
                 tracer.end(call, code, response.status_code, message=message)
             return response
         name = adapter or self.info.model  # (vLLM's: the base model under its first served name)
-        responder = Responder(self.runner, tracer, call, parent, reqs, body, name, tools)
+        responder = Responder(self.front, tracer, call, parent, body, name, tools)
         if body.stream:
             return EventStream(responder.events(), responder.close, parent.deliver,
                                headers={"x-request-id": parent.request_id})
@@ -198,11 +194,11 @@ class _Routes:
             if isinstance(prompt, str):
                 return openai_params.generate_params(body, adapter, rid, text=prompt)
             return openai_params.generate_params(body, adapter, rid, token_ids=prompt)
-        return completion_params(body.prompt, body.n or 1, self.runner.max_request_sequences, params_for)
+        return completion_params(body.prompt, body.n or 1, self.front.max_request_sequences, params_for)
 
     def _chat_params(self, body: ChatCompletionRequest, adapter: str, rid: str, tools: ToolPlan | None
                      ) -> GenerateParams:
-        """The messages as the model's template writes them, tokenized by prepare without adding special tokens
+        """The messages as the model's template writes them, tokenized by the front without adding special tokens
         (the template writes them) unless add_special_tokens asks."""
         variables = body.chat_template_kwargs
         if body.documents is not None:  # (vLLM passes them to the template as `documents`)

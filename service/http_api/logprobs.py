@@ -12,10 +12,10 @@ import codecs
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from service.runner.detokenizer import TokenText
+from service.front import TokenText
 
 MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf (a token sampling could never pick)
-Texts = Callable[[list[int]], list[TokenText]]  # EngineRunner.token_texts
+Texts = Callable[[list[int]], list[TokenText]]  # RequestFront.token_texts
 Top = Sequence[tuple[int, float]]
 
 

@@ -1,4 +1,4 @@
-"""OpenAI request bodies → GenerateParams (checked by service/prepare.py, as the gRPC door's are), with every
+"""OpenAI request bodies → GenerateParams (checked by service/front/prepare.py, as the gRPC door's are), with every
 field named in refusals as the OpenAI client named it; and the refusals of what lora-serve does not honour."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from service.affinity import (
     ADAPTER_ID_HEADER as ADAPTER_HEADER,  # must agree with `model` (gRPC: `adapter`)
 )
 from service.errors import FieldViolation, InvalidArgument, NotFound
-from service.generate_params import FieldNames, GenerateParams
+from service.front.generate_params import FieldNames, GenerateParams
 from service.http_api.errors import HttpError
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from service.http_api.structured import structured_output

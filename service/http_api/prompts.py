@@ -1,15 +1,13 @@
 """A completions call's prompts: one (a string, or token ids) or a list (a list of strings or of token-id lists,
-as LangChain's OpenAI(...).batch() and vLLM's clients send), each checked by the shared prepare on its own,
-with its refusals naming prompt[i]."""
+as LangChain's OpenAI(...).batch() and vLLM's clients send), each checked by the request front on its own, with
+its refusals naming prompt[i]."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 
 from service.errors import FieldViolation, InvalidArgument
-from service.generate_params import FieldNames, GenerateParams
-from service.prepare import Preparer
-from service.runner.request import GenerationRequest
+from service.front import FieldNames, GenerateParams
 
 Prompt = str | list[int]
 
@@ -46,7 +44,3 @@ def _indexed(name: str, i: int) -> str:
     """prompt → prompt[i]; prompt[] (items prompt[j]) → prompt[i][] (items prompt[i][j])."""
     return f"{name[:-2]}[{i}][]" if name.endswith("[]") else f"{name}[{i}]"
 
-
-async def prepare_all(preparer: Preparer, params: list[GenerateParams]) -> list[GenerationRequest]:
-    """Each prompt through the shared prepare, in order (the first refusal is the call's)."""
-    return [await preparer.prepare(p) for p in params]

@@ -2,7 +2,7 @@
 fields (vLLM 0.32's names and defaults: its completion and chat protocol).
 
 Only the wire types and the ranges a field can hold are checked here; what the values mean (sampling rules,
-prompt and token limits) is checked once, by service/prepare.py, for both doors (see openai_params.py). Every
+prompt and token limits) is checked once, by service/front/prepare.py, for both doors (see openai_params.py). Every
 vLLM field is declared: it is either honoured, or refused by name unless left at its neutral value
 (openai_params.NOT_HONOURED); unknown fields are ignored, as OpenAI and vLLM do.
 """

@@ -16,6 +16,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from service.errors import ServiceError
+from service.front import ParentRequest, RequestFront, RequestOutput
 from service.http_api.errors import classify, error_response, grpc_status
 from service.http_api.logprobs import TextOffsets, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from service.http_api.prompts import prompt_list
@@ -23,9 +24,6 @@ from service.http_api.protocol import ChatCompletionRequest
 from service.http_api.sse import DONE, event
 from service.http_api.tool_calls import ToolPlan, answer, tool_finish_reason
 from service.http_api.tool_stream import ToolCallStream, ToolDelta
-from service.runner.parent_request import ParentRequest
-from service.runner.request import GenerationRequest, RequestOutput
-from service.runner.engine_runner import EngineRunner
 from service.telemetry.http_tracing import HttpTracer
 
 _FINISH = {"length": "length", "stop": "stop", "eos": "stop", "grammar": "stop", "cancelled": "abort"}  # abort: vLLM's word
@@ -50,10 +48,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 class Responder:
     """One admitted call's answer."""
 
-    def __init__(self, runner: EngineRunner, tracer: HttpTracer | None, call: Any, parent: ParentRequest,
-                 requests: list[GenerationRequest], body: Any, model: str, tools: ToolPlan | None = None):
-        self.runner, self.tracer, self.call, self.parent, self.requests, self.body, self.model = (
-            runner, tracer, call, parent, requests, body, model)
+    def __init__(self, front: RequestFront, tracer: HttpTracer | None, call: Any, parent: ParentRequest, body: Any,
+                 model: str, tools: ToolPlan | None = None):
+        self.front, self.tracer, self.call, self.parent = front, tracer, call, parent
+        self.body, self.model = body, model
+        self.requests = requests = parent.requests  # the call's prompts as prepared, one each
         self.tools = tools
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, with tools
         self.chat = isinstance(body, ChatCompletionRequest)
@@ -75,7 +74,7 @@ class Responder:
         if self._closed:
             return
         self._closed = True
-        self.runner.abort(self.parent)
+        self.front.abort(self.parent)
         if self.tracer is not None:
             if self._error is not None:
                 code, message = grpc_status(self._error)
@@ -178,30 +177,30 @@ class Responder:
     def _completion_logprobs(self, out: RequestOutput, first: bool) -> dict[str, Any]:
         prompt = out.index // self.n
         k = self.sampling.top_logprobs
-        tokens, logprobs, tops = self.runner.token_texts(out.token_ids), list(out.logprobs), list(out.top_logprobs)
+        tokens, logprobs, tops = self.front.token_texts(out.token_ids), list(out.logprobs), list(out.top_logprobs)
         offsets = self._offsets.setdefault(
             out.index, TextOffsets(len(self._echo_texts[prompt]) if self.echo else 0)).feed(tokens)
         if self.echo and first:  # the prompt's tokens first; its first token has no log-probability
             prompt_ids = self.requests[prompt].prompt_ids
-            prompt_tokens = self.runner.token_texts(prompt_ids)
+            prompt_tokens = self.front.token_texts(prompt_ids)
             offsets = TextOffsets().feed(prompt_tokens) + offsets
             tokens = prompt_tokens + tokens
             # (a choice cancelled before its first token has none: None, as for the first prompt token)
             missing = [None] * (len(prompt_ids) - 1 - len(out.prompt_logprobs))
             logprobs = [None, *out.prompt_logprobs, *missing] + logprobs
             tops = [None, *out.prompt_top_logprobs, *missing] + tops
-        return completion_logprobs(tokens, logprobs, tops if k else None, offsets, self.runner.token_texts)
+        return completion_logprobs(tokens, logprobs, tops if k else None, offsets, self.front.token_texts)
 
     def _chat_logprobs(self, out: RequestOutput) -> dict[str, Any]:
-        return chat_logprobs(self.runner.token_texts(out.token_ids), out.logprobs, out.top_logprobs,
-                             self.runner.token_texts)
+        return chat_logprobs(self.front.token_texts(out.token_ids), out.logprobs, out.top_logprobs,
+                             self.front.token_texts)
 
     def _prompt_logprobs(self, out: RequestOutput, prompt: int) -> list:
         return vllm_prompt_logprobs(self.requests[prompt].prompt_ids, out.prompt_logprobs, out.prompt_top_logprobs,
-                                    self.runner.token_texts)
+                                    self.front.token_texts)
 
     def _text(self, ids: list[int]) -> str:
-        return b"".join(t.data for t in self.runner.token_texts(ids) if not t.special).decode("utf-8", "replace")
+        return b"".join(t.data for t in self.front.token_texts(ids) if not t.special).decode("utf-8", "replace")
 
     # --- the call --------------------------------------------------------------------------------------------
     def _usage(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """OpenAI's `response_format` and vLLM's `structured_outputs` → GenerateParams.structured_output (kind, spec), with
-the field a refusal names. Whether the spec compiles is service/prepare.py's question (the engine's grammar
+the field a refusal names. Whether the spec compiles is service/front/prepare.py's question (the engine's grammar
 compiler), asked the same way for both doors."""
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ gateway's LoRA syncer calls), POST /tokenize and /detokenize, GET /version and G
 
 Each route stands for a gRPC method and is authorized by that method's policy: adapter loading as LoadAdapter
 (the admin token, --disable-adapter-management), tokenizing as Tokenize (the API token), a model as
-ListAdapters; adapters are loaded through the same AdapterManagement as gRPC's (roots, in-use refusal)."""
+ListAdapters; adapters are loaded through the request front as gRPC's are (service/front/adapter_management.py:
+roots, in-use refusal)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -17,8 +18,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from service.adapter_management import AdapterManagement
-from service.chat_template import render_chat
+from service.front.chat_template import render_chat
 from service.errors import AdapterError, AdapterNameError, AdapterPathError, FieldViolation, InvalidArgument, Unavailable
 from service.http_api.errors import HttpError, error_body, error_response
 from service.http_api.model_cards import model_cards
@@ -67,9 +67,8 @@ def package_version() -> str:
 class _VllmRoutes:
     def __init__(self, door: HttpDoor):
         self.door = door
-        self.runner = door.runner
+        self.front = door.front
         self.auth = BearerAuth(door.security)
-        self.adapters = AdapterManagement(door.runner)
         self.version_body = {"version": package_version()}
 
     # --- adapters ----------------------------------------------------------------------------------------
@@ -80,13 +79,13 @@ class _VllmRoutes:
             if not name or not path:
                 raise _bad_request("Both 'lora_name' and 'lora_path' must be provided.")
             _check_name_length(name)
-            if self.runner.model_info().is_base_model(name):
+            if self.front.model_info().is_base_model(name):
                 raise _bad_request(f"The lora adapter '{name}' conflicts with a served base model.", "lora_name")
-            if not body.load_inplace and self.runner.is_adapter_known(name):
+            if not body.load_inplace and self.front.is_adapter_known(name):
                 raise _bad_request(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                    "adapter in place, set 'load_inplace' to True.", "lora_name")
             try:
-                await self.adapters.load(name, path)
+                await self.front.load_adapter(name, path)
             except AdapterError as e:
                 if isinstance(e, (AdapterNameError, AdapterPathError)):
                     raise
@@ -106,10 +105,10 @@ class _VllmRoutes:
             if not name:
                 raise _bad_request("'lora_name' needs to be provided to unload a LoRA adapter.")
             _check_name_length(name)
-            if not self.runner.is_adapter_known(name):
+            if not self.front.is_adapter_known(name):
                 raise HttpError(404, grpc.StatusCode.NOT_FOUND, f"The lora adapter '{name}' cannot be found.",
                                 "lora_name")
-            await self.adapters.unload(name)
+            await self.front.unload_adapter(name)
         except Exception as exc:  # noqa: BLE001
             return error_response(_vllm_fields(exc))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
@@ -119,7 +118,7 @@ class _VllmRoutes:
         try:
             body = await self._body(request, _TOKENIZE, (TokenizeCompletionRequest, TokenizeChatRequest))
             self._check_model(body.model)
-            info = self.runner.model_info()
+            info = self.front.model_info()
             if isinstance(body, TokenizeChatRequest):
                 field = "messages"
                 text = render_chat(self.door.chat_template, info.model, dumped(body.messages), body.add_generation_prompt,
@@ -127,18 +126,17 @@ class _VllmRoutes:
                                    tools=body.tools)
             else:
                 field, text = "prompt", body.prompt
-            self.door.preparer.note_input(len(text))
-            ids = await self.door.preparer.encode(text, body.add_special_tokens, field)
+            ids = await self.front.tokenize(text, body.add_special_tokens, field)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return JSONResponse({"count": len(ids), "max_model_len": info.max_seq_len, "tokens": ids,
-                             "token_strs": self.runner.token_strings(ids) if body.return_token_strs else None})
+                             "token_strs": self.front.token_strings(ids) if body.return_token_strs else None})
 
     async def detokenize(self, request: Request) -> Response:
         try:
             body = await self._body(request, _TOKENIZE, DetokenizeRequest)
             self._check_model(body.model)
-            info = self.runner.model_info()
+            info = self.front.model_info()
             if len(body.tokens) > info.max_seq_len:  # (no sequence of this model is longer; bounds the work)
                 raise InvalidArgument([FieldViolation("tokens", (
                     f"at most {info.max_seq_len} tokens (the model's max_model_len), got {len(body.tokens)}"))])
@@ -148,7 +146,7 @@ class _VllmRoutes:
                     f"token id {t} is outside the vocabulary [0, {info.vocab_size})")) for i, t in bad])
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        return JSONResponse({"prompt": self.runner.decode(body.tokens)})
+        return JSONResponse({"prompt": self.front.decode(body.tokens)})
 
     # --- open, and models ----------------------------------------------------------------------------------
     async def version(self) -> JSONResponse:
@@ -159,7 +157,7 @@ class _VllmRoutes:
             authorize(self.auth, request, _LIST)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        card = next((c for c in model_cards(self.runner) if c["id"] == model_id), None)
+        card = next((c for c in model_cards(self.front) if c["id"] == model_id), None)
         if card is None:
             return JSONResponse(error_body(404, f"The model `{model_id[:MAX_NAME_CHARS]}` does not exist.",
                                            "not_found", "model"), status_code=404)
@@ -186,12 +184,12 @@ class _VllmRoutes:
     def _check_model(self, model: str | None) -> None:
         """`model`, when set, names the base model or an adapter this server knows (vLLM's check; tokenizing is
         the same for every adapter of one base model)."""
-        if not model or self.runner.model_info().is_base_model(model):
+        if not model or self.front.model_info().is_base_model(model):
             return
         if len(model) > MAX_NAME_CHARS:
             raise InvalidArgument([FieldViolation("model", f"at most {MAX_NAME_CHARS} characters, got {len(model)}")])
         try:
-            known = self.runner.has_adapter(model)
+            known = self.front.has_adapter(model)
         except (AdapterNameError, AdapterPathError) as e:  # not a possible adapter directory entry
             raise InvalidArgument([FieldViolation("model", str(e))]) from None
         if not known:

@@ -32,6 +32,12 @@ class EngineDoor:
             on_demand_adapters=bool(engine.adapters.adapter_dirs), num_kv_blocks=kv.num_blocks,
             block_size=kv.block_size, prefix_caching=cfg.enable_prefix_caching)
 
+    @property
+    def model_dir(self) -> str:
+        """The directory of the model's tokenizer_config.json (the chat template): the model's own, --tokenizer's,
+        or what a GGUF file's metadata was derived into."""
+        return str(self.engine.tokenizer_dir)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize (thread-safe: the tokenizer is not torch; long texts release the GIL)."""
         return self.engine.tokenizer.encode(text, add_special_tokens)

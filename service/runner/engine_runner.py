@@ -22,13 +22,14 @@ from typing import Any, TypeVar
 
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine, Sequence
-from service.errors import EngineFailure, QueueFull, TooManyStreams, Unavailable
+from service.errors import EngineFailure, Unavailable
 from service.limits import RequestLimits
+from service.runner.capacity import Capacity, Reservation
 from service.runner.statuses import load_error, step_error
 from service.runner.engine_door import EngineDoor
 from service.runner.output import OutputProcessor
 from service.runner.parent_request import ParentRequest, fan_out
-from service.runner.reports import IterationResult, RunnerObserver, SchedulerStats
+from service.runner.reports import IterationResult, RunnerObserver, SchedulerStats, scheduler_stats
 from service.runner.request import GenerationRequest, RequestEventType
 from service.runner.request_state import RequestState
 
@@ -58,7 +59,7 @@ class EngineRunner(EngineDoor):
         self._accepting = True
         self._idle: asyncio.Event | None = None
         self._open_streams = 0  # add_request .. abort: handlers still streaming, finished or not
-        self.max_streams = limits.max_concurrent_streams or engine.config.max_num_seqs + limits.max_queue
+        self._capacity = Capacity(engine.config.max_num_seqs, limits)  # batch + queue, streams (capacity.py)
         # One call's share (RequestLimits.max_request_share): choices running, and queued or running, at once.
         running_cap, self._in_flight_cap = limits.request_caps(engine.config.max_num_seqs)
         self.scheduler.max_running_per_group, self.scheduler.max_overtakes = running_cap, limits.max_overtakes
@@ -104,40 +105,46 @@ class EngineRunner(EngineDoor):
         return await engine_thread.run(fn, *args)
 
     # --- requests -----------------------------------------------------------------------------------
-    def check_capacity(self, sequences: int = 1) -> None:
-        """Cheap, before any work on a new request of `sequences` choices (each counts as a request against
-        the queue and as a stream): refuse now rather than queue without bound."""
+    def reserve(self, choices: int = 1) -> Reservation:
+        """The capacity check, once per call before any work on it: places for the choices of a call that are
+        queued at once (at most its share), held until add_parent_request takes them or release gives them
+        back. UNAVAILABLE while draining, else RESOURCE_EXHAUSTED rather than a queue without bound."""
+        self._check_accepting()
+        return self._capacity.reserve(min(choices, self._in_flight_cap), len(self._states), self._open_streams)
+
+    def release(self, reservation: Reservation) -> None:
+        """A refused call's places go back (a no-op once add_parent_request took them)."""
+        self._capacity.release(reservation)
+
+    def _check_accepting(self) -> None:
         if not self._accepting:
             raise Unavailable("server is draining (shutting down); retry on another replica")
-        # Count against batch + queue, not the queue alone: a burst on an idle server is admitted at once.
-        in_flight = len(self._states)
-        capacity = self.engine.config.max_num_seqs + self.limits.max_queue
-        if in_flight + sequences > capacity:
-            raise QueueFull(max(0, in_flight - self.engine.config.max_num_seqs), self.limits.retry_after_s, sequences,
-                            max(0, capacity - in_flight))
-        if self._open_streams + sequences > self.max_streams:  # includes finished streams flushing to slow readers
-            raise TooManyStreams(self.max_streams, self.limits.retry_after_s)
 
     @property
     def max_request_sequences(self) -> int:
         """The most sequences (prompts x n) one call can ever be given: more is refused whatever the load."""
-        return min(self.engine.config.max_num_seqs + self.limits.max_queue, self.max_streams)
+        return self._capacity.max_request_sequences
 
-    def add_parent_request(self, requests: list[GenerationRequest]) -> ParentRequest:
-        """A call of one or several prompts, each with its n choices (parent_request.py): taken, or refused whole
-        (RESOURCE_EXHAUSTED / UNAVAILABLE). At most its share of the places (RequestLimits.max_request_share) is
-        queued now; the rest wait in its backlog and follow as its queued choices finish (_refill), so one call
-        of many prompts leaves the queue and the batch to the others too."""
+    def add_parent_request(self, requests: list[GenerationRequest],
+                           reservation: Reservation | None = None) -> ParentRequest:
+        """A call of one or several prompts, each with its n choices (parent_request.py): taken on the places
+        `reservation` holds for it (None: checked now), or refused whole (RESOURCE_EXHAUSTED / UNAVAILABLE). At
+        most its share of the places (RequestLimits.max_request_share) is queued now; the rest wait in its backlog
+        and follow as its queued choices finish (_refill), so one call of many prompts leaves the queue and the
+        batch to the others too."""
         choices = fan_out(requests, self.engine.kv_cache.block_size, self.engine.config.enable_prefix_caching)
         first = min(len(choices), self._in_flight_cap)
-        self.check_capacity(first)
+        # The places reserved (or checked now) pass to the choices queued below.
+        self._capacity.release(reservation if reservation is not None else self.reserve(len(choices)))
+        self._check_accepting()  # a drain that began while the call was prepared: nothing is queued after it
         states: list[RequestState] = []
         for choice in choices:
             state = self._new_state(choice.request, choice.index)
             if choice.waits_for is not None:
                 state.seq.waits_for = states[choice.waits_for].seq
             states.append(state)
-        parent = ParentRequest(requests[0].request_id, states, keep_finished_s=self.limits.stall_timeout_s)
+        parent = ParentRequest(requests[0].request_id, states, keep_finished_s=self.limits.stall_timeout_s,
+                               requests=tuple(requests))
         for state in states:
             state.seq.group = parent  # the scheduler's share per call
         for state in states[:first]:
@@ -148,7 +155,7 @@ class EngineRunner(EngineDoor):
         return parent
 
     def add_request(self, request: GenerationRequest) -> RequestState:
-        """One sequence (n = 1) read on its own (benchmarks, tests); the doors call add_parent_request."""
+        """One sequence (n = 1) read on its own (benchmarks, tests); the request front calls add_parent_request."""
         if request.n != 1:
             raise ValueError(f"add_request takes one choice, got n = {request.n}; use add_parent_request")
         return self.add_parent_request([request]).choices[0]
@@ -230,28 +237,9 @@ class EngineRunner(EngineDoor):
     def num_open_streams(self) -> int:
         return self._open_streams
 
-    @property
-    def model_dir(self) -> str:
-        """The directory of the model's tokenizer_config.json (the chat template): the model's own, --tokenizer's,
-        or what a GGUF file's metadata was derived into."""
-        return str(self.engine.tokenizer_dir)
-
     def stats(self) -> SchedulerStats:
-        """A snapshot for metrics; cheap (no engine call: the KV counters are plain attributes), read on the
-        event loop."""
-        cfg, adapters, kv = self.engine.config, self.engine.adapters, self.engine.kv_cache
-        running = [s for s in self._states.values() if s.running and not s.done]
-        waiting = [s for s in (*self._states.values(), *self._backlogged()) if not s.running and not s.aborted]
-        device, host = adapters.residency()
-        return SchedulerStats(
-            num_running=len(running), num_waiting=len(waiting), kv_cache_usage=kv.usage,
-            num_kv_blocks=kv.num_blocks, block_size=kv.block_size, prefix_caching=cfg.enable_prefix_caching,
-            cache_dtype=cfg.kv_cache_dtype, prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.engine.num_preemptions, max_loras=cfg.max_loras_per_batch,
-            running_adapters=tuple(sorted({s.request.adapter for s in running if s.request.adapter})),
-            waiting_adapters=tuple(sorted({s.request.adapter for s in waiting if s.request.adapter})),
-            device_adapters=device, host_adapters=host, adapter_tiers=adapters.tier_counts())
+        """A snapshot for metrics; cheap (no engine call), read on the event loop."""
+        return scheduler_stats(self.engine, self._states.values(), self._backlogged())
 
     # --- the loop -----------------------------------------------------------------------------------
     def _wake(self) -> None:

@@ -73,6 +73,9 @@ class ParentRequest:
     # Choices not queued yet: past the call's share of the runner's places (RequestLimits.max_request_share), they
     # follow as its queued ones finish (EngineRunner._refill).
     backlog: deque[RequestState] = field(default_factory=deque)
+    # The call's prompts as the front prepared them, one request each (prompt i's choices are i * n .. i * n + n - 1):
+    # what its answer reports beside the outputs (the prompt's tokens, usage, echo).
+    requests: tuple[GenerationRequest, ...] = ()
 
     def __post_init__(self) -> None:
         for state in self.choices:

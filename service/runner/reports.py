@@ -2,10 +2,12 @@
 observer protocol that reads them. Observers read; they never steer the scheduler."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from lora_compile import Engine
     from lora_compile.core.step_output import StepOutput
     from service.runner.request_state import RequestState
 
@@ -31,6 +33,26 @@ class SchedulerStats:
     device_adapters: tuple[str, ...]   # adapters in a device slot now
     host_adapters: tuple[str, ...]     # registered adapters whose weights sit in host memory
     adapter_tiers: dict[str, int]      # known adapters per fastest tier: device, host, disk
+
+
+def scheduler_stats(engine: Engine, in_flight: Iterable[RequestState], backlog: Iterable[RequestState]
+                    ) -> SchedulerStats:
+    """The snapshot of `engine` with the runner's choices `in_flight` (handed to the scheduler) and those still in
+    their call's `backlog`; no engine call (the KV counters are plain attributes), so cheap on the event loop."""
+    cfg, adapters, kv = engine.config, engine.adapters, engine.kv_cache
+    in_flight = list(in_flight)
+    running = [s for s in in_flight if s.running and not s.done]
+    waiting = [s for s in (*in_flight, *backlog) if not s.running and not s.aborted]
+    device, host = adapters.residency()
+    return SchedulerStats(
+        num_running=len(running), num_waiting=len(waiting), kv_cache_usage=kv.usage,
+        num_kv_blocks=kv.num_blocks, block_size=kv.block_size, prefix_caching=cfg.enable_prefix_caching,
+        cache_dtype=cfg.kv_cache_dtype, prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_hits=kv.prefix_cache_hits,
+        num_preemptions=engine.num_preemptions, max_loras=cfg.max_loras_per_batch,
+        running_adapters=tuple(sorted({s.request.adapter for s in running if s.request.adapter})),
+        waiting_adapters=tuple(sorted({s.request.adapter for s in waiting if s.request.adapter})),
+        device_adapters=device, host_adapters=host, adapter_tiers=adapters.tier_counts())
 
 
 @dataclass

@@ -31,7 +31,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link
 
-from service.generate_params import GenerateParams
+from service.front.generate_params import GenerateParams
 from service.runner.request import RequestEventType
 from service.telemetry.adapter_events import LOAD_BUCKETS, adapter_metric
 from service.telemetry.interceptor import CallSpan, current_call, set_error

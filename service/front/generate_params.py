@@ -1,9 +1,10 @@
 """One Generate call's parameters as a client sent them, before any check, whichever door it came through.
 
 The gRPC door builds one from a GenerateRequest (service/grpc_api/params.py), the HTTP door from an OpenAI body
-(service/http_api/openai_params.py); service/prepare.py checks it and makes the runner's GenerationRequest. Each door
-names the fields its own way in refusals (`sampling.min_p` / `min_p`): `names` carries that vocabulary, so a
-refusal is worded for the client that sent it without a second translation.
+(service/http_api/openai_params.py); the request front (front.py) hands it to prepare.py, which checks it and makes
+the runner's GenerationRequest. Each door names the fields its own way in refusals (`sampling.min_p` / `min_p`):
+`names` carries that vocabulary, so a refusal is worded for the client that sent it without a second
+translation.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class FieldNames:
 @dataclass(frozen=True)
 class GenerateParams:
     """None: not sent (the server's default applies). Sequences and mappings may be the wire message's own
-    containers: service/prepare.py checks their length before it reads them, so a huge one costs nothing."""
+    containers: prepare.py checks their length before it reads them, so a huge one costs nothing."""
 
     names: FieldNames = FieldNames()
     request_id: str = ""

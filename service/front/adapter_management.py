@@ -1,7 +1,8 @@
-"""Loading and unloading adapters at run time, one implementation for both doors: gRPC's Adapters.LoadAdapter /
-UnloadAdapter and HTTP's /v1/load_lora_adapter / /v1/unload_lora_adapter (vLLM's). The argument checks, the
-adapter roots and the in-use refusal live here; the runner reads the files (loader threads) and registers them
-(between steps). Who may call them is the door's business (the management policy of security.py)."""
+"""Loading and unloading adapters at run time, one implementation for both doors (through the request front,
+front.py): gRPC's Adapters.LoadAdapter / UnloadAdapter and HTTP's /v1/load_lora_adapter / /v1/unload_lora_adapter
+(vLLM's). The argument checks, the adapter roots and the in-use refusal live here; the runner reads the files
+(loader threads) and registers them (between steps). Who may call them is the door's business (the management
+policy of service/security.py)."""
 from __future__ import annotations
 
 import logging

@@ -1,8 +1,10 @@
 """GenerateParams → the runner's GenerationRequest, or InvalidArgument naming every bad field: the one way in for
-both doors (gRPC and HTTP), so they share tokenizing, every limit (service/limits.py), the adapter check and
-every refusal's wording (fields named in the door's own vocabulary, GenerateParams.names).
+both doors (gRPC and HTTP), through the request front (front.py), so they share tokenizing, every limit
+(limits.py), the grammar compile, the adapter check and every refusal's wording (fields named in the door's own
+vocabulary, GenerateParams.names).
 
 Checks everything the engine would refuse, so a request fails here, with a field name, and never inside a step.
+Capacity is the front's, checked once per call before any of this.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import math
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from lora_compile import SamplingParams
 from lora_compile.errors import AdapterNameError, AdapterPathError
@@ -24,8 +27,7 @@ from lora_compile.sample.sampling import (
     sampling_problem,
 )
 from service.errors import FieldViolation, InvalidArgument, NotFound
-from service.generate_params import FieldNames, GenerateParams
-from service.heap import LARGE_REQUEST_BYTES, HeapTrimmer
+from service.front.generate_params import FieldNames, GenerateParams
 from service.limits import (
     MAX_NAME_CHARS,
     MAX_REPORTED_BAD_IDS,
@@ -36,18 +38,29 @@ from service.limits import (
     MAX_TOP_LOGPROBS,
     RequestLimits,
 )
+from service.heap import LARGE_REQUEST_BYTES, HeapTrimmer
 from service.runner.request import GenerationRequest, ModelInfo
-from service.runner.engine_runner import EngineRunner
 
 TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop (the tokenizer thread)
 
 
-class Preparer:
-    """What both doors call before runner.add_request (one per server: one tokenizer thread, one heap trimmer)."""
+class EngineCalls(Protocol):
+    """What preparing asks of the engine side (the runner's EngineDoor): no capacity, no queue."""
 
-    def __init__(self, runner: EngineRunner, limits: RequestLimits = RequestLimits()):
-        self._runner = runner
-        self.model = info = runner.model_info()
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def compile_grammar(self, spec: StructuredOutput) -> None: ...
+
+    def has_adapter(self, name: str) -> bool: ...
+
+
+class Preparer:
+    """What the request front calls before the runner takes a call (one per server: one tokenizer thread, one
+    heap trimmer)."""
+
+    def __init__(self, engine: EngineCalls, model: ModelInfo, limits: RequestLimits = RequestLimits()):
+        self._engine = engine
+        self.model = info = model
         self.limits = limits
         # A text longer than this cannot fit in a prompt whatever it says: refused before it is tokenized.
         self.max_prompt = min(info.max_seq_len - 1, limits.max_prompt_tokens or info.max_seq_len)
@@ -59,9 +72,7 @@ class Preparer:
         self._heap = HeapTrimmer()
 
     async def prepare(self, params: GenerateParams) -> GenerationRequest:
-        """Capacity first (RESOURCE_EXHAUSTED / UNAVAILABLE before any work), then the text tokenized, every
-        field checked, and the adapter looked up (NOT_FOUND)."""
-        self._runner.check_capacity()
+        """The text tokenized, every field checked, the grammar compiled and the adapter looked up (NOT_FOUND)."""
         self.note_input(params.input_bytes)
         prompt_ids = None
         if params.text is not None:
@@ -71,7 +82,7 @@ class Preparer:
             await self._compile(req.sampling.structured_output, params.names("structured_output"))
         if req.adapter is not None:
             try:
-                known = self._runner.has_adapter(req.adapter)
+                known = self._engine.has_adapter(req.adapter)
             except (AdapterNameError, AdapterPathError) as e:  # not a name an adapter directory could hold
                 raise InvalidArgument([FieldViolation(params.names("adapter"), str(e))]) from None
             if not known:
@@ -83,7 +94,7 @@ class Preparer:
         if self._grammar_pool is None:
             self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         try:
-            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._runner.compile_grammar, spec)
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._engine.compile_grammar, spec)
         except GrammarError as e:
             raise InvalidArgument([FieldViolation(field, f"does not compile: {e}")]) from None
 
@@ -94,7 +105,7 @@ class Preparer:
             raise InvalidArgument([FieldViolation(field, (
                 f"the text has {len(text)} characters; a prompt of at most {self.max_prompt} tokens holds at "
                 f"most {self.max_text_chars} characters with this model's tokenizer (--max-prompt-tokens)"))])
-        encode = self._runner.encode
+        encode = self._engine.encode
         if len(text) <= TOKENIZE_IN_THREAD_CHARS:
             return encode(text, add_special_tokens)
         if self._tokenizer_pool is None:
