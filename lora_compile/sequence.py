@@ -32,11 +32,15 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # KV blocks holding positions 0, bs, 2bs, ...
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks of known tokens
     cache_root: bytes | None = None  # the root of those hashes: whose weights compute its KV
+    cache_adapter_start: int = 0     # the adapter_start they were computed for
     num_cached_blocks: int = 0    # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0    # prompt tokens its first admission found in the prefix cache
     num_preemptions: int = 0      # times its blocks were taken back (it is recomputed on readmission)
     admitted_at: int = -1         # admission order: the newest running sequence is preempted first
     lora_slot: int = 0
+    # The first position its adapter acts on: 0, or for an activated LoRA where its invocation starts (set at
+    # admission: lora/adapters.activation_start); positions before it are the base model's, KV included.
+    adapter_start: int = 0
     adapter_loaded: bool = False  # try_admit copied the adapter into a device slot (it was not resident)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
@@ -74,6 +78,15 @@ class Sequence:
         if self.sampling.prompt_logprobs is None:
             return 0
         return max(0, len(self.prompt_ids) - 1 - len(self.prompt_logprobs))
+
+    def slot_at(self, pos: int) -> int:
+        """The LoRA slot the token at position `pos` is computed with (0: the base model)."""
+        return self.lora_slot if pos >= self.adapter_start else 0
+
+    def slots(self, start: int, length: int) -> list[int]:
+        """slot_at for positions [start, start + length)."""
+        first = min(max(self.adapter_start - start, 0), length)  # (base-model positions before the adapter's)
+        return [0] * first + [self.lora_slot] * (length - first)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output."""

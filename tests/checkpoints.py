@@ -116,15 +116,19 @@ def _lora_scaling(r: int, lora_alpha: float, use_rslora: bool) -> float:
 
 def make_peft_adapter(base_dir: str | os.PathLike, out_dir: str | os.PathLike, *, r: int = 8, lora_alpha: int = 16,
                       target_modules: Sequence[str] = ("q_proj", "v_proj"), use_rslora: bool = False, seed: int = 1,
-                      scale: float = 0.5) -> Path:
+                      scale: float = 0.5, use_dora: bool = False,
+                      alora_invocation_tokens: Sequence[int] | None = None) -> Path:
     """A PEFT LoRA adapter for `base_dir`, saved by peft itself.
 
     `scale` is the size of the LoRA update relative to the base layer's output (for unit-RMS inputs),
-    whatever r and alpha are: A ~ N(0, 1/in), B ~ N(0, scale² / (r · scaling²)).
+    whatever r and alpha are: A ~ N(0, 1/in), B ~ N(0, scale² / (r · scaling²)). `use_dora`: a DoRA adapter, each
+    output's magnitude PEFT's initial one times U(0.5, 1.5), so that rescaling matters. `alora_invocation_tokens`: an
+    activated LoRA, acting from the last occurrence of those ids in a prompt on.
     """
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), use_rslora=use_rslora,
-                        init_lora_weights=False, task_type="CAUSAL_LM")
+                        init_lora_weights=False, task_type="CAUSAL_LM", use_dora=use_dora,
+                        alora_invocation_tokens=list(alora_invocation_tokens) if alora_invocation_tokens else None)
     peft_model = get_peft_model(model, config)
     b_std = scale / (r**0.5 * _lora_scaling(r, lora_alpha, use_rslora))
     gen = torch.Generator().manual_seed(seed)
@@ -134,6 +138,8 @@ def make_peft_adapter(base_dir: str | os.PathLike, out_dir: str | os.PathLike, *
                 param.copy_(torch.randn(param.shape, generator=gen) * param.shape[1] ** -0.5)
             elif ".lora_B." in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * b_std)
+            elif ".lora_magnitude_vector." in name:
+                param.mul_(torch.rand(param.shape, generator=gen) + 0.5)
     out = Path(out_dir)
     peft_model.save_pretrained(out, safe_serialization=True)
     return out

@@ -46,6 +46,8 @@ EAGER_TINY = ("--no-compile", *TINY)
 GPU = torch.cuda.is_available()
 
 RUNS = {
+    "activated_lora": Run(("--conversation-tokens", "40", "--rounds", "1", *EAGER_TINY),
+                          r"median activated / cold: [\d.]+"),
     "adapter_loader": Run(("--adapters", "2", "--rounds", "1", "--steps", "2", *EAGER_TINY),
                           r"no reads, after torch ran on side threads: +[\d.]+ ms"),
     "attention": Run(("--batches", "2", "--keys", "8", "--rounds", "1", "--no-compile"), r"gather \+ bmm +[\d.]+"),

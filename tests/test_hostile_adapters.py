@@ -150,7 +150,7 @@ def _model_config() -> ModelConfig:
     return ModelConfig.from_dir(demo_paths()[0])
 
 
-_MAX_TENSORS = 2 * len(LORA_TARGETS) * _model_config().num_hidden_layers  # lora_A, lora_B of every module
+_MAX_TENSORS = 3 * len(LORA_TARGETS) * _model_config().num_hidden_layers  # lora_A, lora_B, DoRA magnitude
 
 
 @pytest.mark.parametrize("case, says", [

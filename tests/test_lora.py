@@ -243,7 +243,7 @@ def _misplace_module(t):  # q_proj's weights filed under the MLP, where the mode
 
 
 REFUSALS = {
-    "dora": (dict(config_edit=lambda c: c.update(use_dora=True)), "DoRA"),
+    "dora-without-magnitudes": (dict(config_edit=lambda c: c.update(use_dora=True)), "lora_magnitude_vector is missing"),
     "embed-target": (dict(config_edit=lambda c: c.update(target_modules=["q_proj", "embed_tokens"])), "embed_tokens"),
     "lm-head-target": (dict(config_edit=lambda c: c.update(target_modules=["lm_head"])), "lm_head"),
     "modules-to-save": (dict(config_edit=lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),

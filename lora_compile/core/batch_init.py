@@ -213,7 +213,7 @@ class BatchInit:
         bs = self.block_size
         seqs = [p.seq for p in single]
         pos = np.fromiter((p.start for p in single), np.int64, n)
-        slots = np.fromiter((s.lora_slot for s in seqs), np.int64, n)
+        slots = np.fromiter((p.seq.slot_at(p.start) for p in single), np.int64, n)
         rows_written = np.fromiter((p.seq.block_table[p.start // bs] * bs + p.start % bs for p in single),
                                    np.int64, n)
         keys = graph.keys if graph is not None else max(2, int(pos.max()) + 1)
@@ -271,17 +271,16 @@ class BatchInit:
         n_single = len(single)
         n_tokens = n_single + sum(p.length for p in chunks) + 1  # + one dummy token for padding
         dummy = n_tokens - 1
-        # Each token indexes the layers' stacked LoRA weights by its slot (0, the base model: zero rows).
-        lora_slots = {p.seq.lora_slot for p in (*single, *chunks)}
-
         input_ids, positions, slot_mapping, lora_col = [], [], [], []
         for p in (*single, *chunks):
             table = p.seq.block_table
             input_ids += p.seq.tokens(p.start, p.start + p.length)
             positions += range(p.start, p.start + p.length)
             slot_mapping += [table[i // bs] * bs + i % bs for i in range(p.start, p.start + p.length)]
-            lora_col += [p.seq.lora_slot] * p.length
+            lora_col += p.seq.slots(p.start, p.length)  # (an activated adapter's: 0 before its invocation)
         input_ids.append(0); positions.append(0); slot_mapping.append(0); lora_col.append(0)
+        # Each token indexes the layers' stacked LoRA weights by its slot (0, the base model: zero rows).
+        lora_slots = set(lora_col)
 
         dec_idx = list(range(n_single)) + [dummy] * max(0, 2 - n_single)
         dec_pos = [p.start for p in single] + [0] * max(0, 2 - n_single)

@@ -87,6 +87,7 @@ class Engine:
         self.adapters = LoRAManager(
             self.model, mc, config.max_loras_per_batch, config.max_lora_rank, host_cache_bytes(config.max_cpu_lora_bytes),
             tuple(config.adapter_roots), tuple(config.adapter_dirs), config.adapter_loader_threads, self.device,
+            dora=not self.quantized,
         )
         self.scheduler = Scheduler(config, self.kv_cache, self.adapters,
                                    lambda seq: self.check_request(seq.prompt_ids, seq.sampling), self._on_admitted)
@@ -301,7 +302,8 @@ class Engine:
         """Whether the step runs on its lone adapter merged into the weights, and the seconds merging took."""
         if self._merger is None:
             return False, 0.0
-        slots = {p.seq.lora_slot for p in (*single, *chunks)}
+        slots = {slot for p in (*single, *chunks) for slot in (p.seq.slot_at(p.start),
+                                                               p.seq.slot_at(p.start + p.length - 1))}
         lone = next(iter(slots)) if len(slots) == 1 and 0 not in slots else None
         rows = len(single) + sum(p.length for p in chunks) + 1  # + the dummy token
         return self._merger.select(lone, rows)

@@ -223,6 +223,7 @@ class Scheduler:
         if acquired is None:
             return AdmitOutcome.NO_ADAPTER_SLOT
         slot, loaded = acquired
+        seq.adapter_start = self.adapters.activation_start(seq.adapter, seq.prompt_ids)
         if not self.kv_cache.allocate(seq, self.adapters.cache_key(slot), self._kv_tokens_at_admission(seq),
                                       self._blocks_due()):
             self.adapters.release(slot)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..sequence import Sequence
 from .block_pool import BlockPool
-from .hashing import block_hashes, root_hash
+from .hashing import BASE_MODEL_KEY, activation_hash, block_hashes, root_hash
 from .sizing import KVCacheSize
 
 
@@ -46,21 +46,36 @@ class KVCacheManager:
     # --- admission ----------------------------------------------------------------------------------
     def _hashes(self, seq: Sequence, n_blocks: int) -> list[bytes]:
         """The hashes of seq's first `n_blocks` full blocks of known tokens (extended and kept on the sequence)."""
-        have = len(seq.block_hashes)
-        if have < n_blocks:
+        have, bs = len(seq.block_hashes), self.block_size
+        if have >= n_blocks:
+            return seq.block_hashes[:n_blocks]
+        tokens = seq.tokens(0, n_blocks * bs)
+        if seq.adapter_start == 0:  # one chain from its weights' root
             parent = seq.block_hashes[-1] if have else seq.cache_root
-            seq.block_hashes += block_hashes(parent, seq.tokens(0, n_blocks * self.block_size), self.block_size,
-                                             have, n_blocks)
-        return seq.block_hashes[:n_blocks]
+            seq.block_hashes += block_hashes(parent, tokens, bs, have, n_blocks)
+            return seq.block_hashes
+        # An activated adapter: the base model's chain up to the block where it starts acting, then its own.
+        switch = min(seq.adapter_start // bs, n_blocks)
+        parent = seq.block_hashes[-1] if have else root_hash(BASE_MODEL_KEY)
+        if have < switch:
+            seq.block_hashes += block_hashes(parent, tokens, bs, have, switch)
+            have, parent = switch, seq.block_hashes[-1]
+        if have < n_blocks:
+            if have == switch:
+                parent = activation_hash(parent, seq.cache_root, seq.adapter_start % bs)
+            seq.block_hashes += block_hashes(parent, tokens, bs, have, n_blocks)
+        return seq.block_hashes
 
     def allocate(self, seq: Sequence, cache_key: bytes, num_tokens: int, keep_free: int = 0) -> bool:
         """Give `seq` (holding no blocks) the blocks for its first `num_tokens` positions: cached ones for the
         longest hit among its known tokens, free ones for the rest. False, with nothing taken, when fewer than
-        that plus `keep_free` are free. Sets seq.num_computed_tokens to the hit."""
+        that plus `keep_free` are free. Sets seq.num_computed_tokens to the hit. An activated adapter's
+        seq.adapter_start is set before (its blocks before that are the base model's)."""
         assert not seq.block_table, "sequence already holds KV blocks"
         root = root_hash(cache_key)
-        if root != seq.cache_root:  # first admission, or other weights since: hashes start again
-            seq.cache_root, seq.block_hashes = root, []
+        if (root, seq.adapter_start) != (seq.cache_root, seq.cache_adapter_start):
+            # first admission, or other weights since: hashes start again
+            seq.cache_root, seq.cache_adapter_start, seq.block_hashes = root, seq.adapter_start, []
         hits: list[int] = []
         # A sequence still owed prompt log-probabilities computes every prompt position: it reads no cached block
         # (vLLM's skip_reading_prefix_cache), though it still offers its own blocks to the cache.

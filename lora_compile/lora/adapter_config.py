@@ -105,8 +105,8 @@ def check_config(raw: dict, where: str) -> None:
     """PEFT features the engine does not implement are refused, never ignored."""
     if raw.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{where}: peft_type {_short(raw.get('peft_type'))} is not supported; only LORA")
-    if raw.get("use_dora"):
-        raise AdapterError(f"{where}: DoRA adapters (use_dora) are not supported")
+    if raw.get("use_dora") not in (None, False, True):
+        raise AdapterError(f"{where}: use_dora must be true or false, got {_short(raw['use_dora'])}")
     if raw.get("modules_to_save"):
         raise AdapterError(f"{where}: modules_to_save {_short(raw['modules_to_save'])} is not supported")
     if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
@@ -196,3 +196,22 @@ def config_numbers(raw: dict, where: str) -> ConfigNumbers:
         raise AdapterError(f"{where}: use_rslora must be true or false, got {_short(use_rslora)}")
     return ConfigNumbers(r, alpha(raw.get("lora_alpha", 8), "lora_alpha"), use_rslora,
                          pattern("rank_pattern", rank), pattern("alpha_pattern", alpha))
+
+
+MAX_INVOCATION_TOKENS = 256  # an activated adapter's invocation sequence (each prompt is searched for it once)
+
+
+def invocation_tokens(raw: dict, where: str, vocab_size: int) -> tuple[int, ...] | None:
+    """Activated LoRA (PEFT's `alora_invocation_tokens`): the token ids whose last occurrence in a prompt starts
+    the adapter's part of it; None for a plain adapter."""
+    value = raw.get("alora_invocation_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_INVOCATION_TOKENS:
+        raise AdapterError(f"{where}: alora_invocation_tokens must be a list of 1 to {MAX_INVOCATION_TOKENS} token "
+                           f"ids, got {_short(value)}")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise AdapterError(f"{where}: alora_invocation_tokens holds {_short(t)}, not a token id of this model "
+                               f"[0, {vocab_size})")
+    return tuple(value)

@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from ..errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterNotReadyError
 from ..kv_cache.hashing import BASE_MODEL_KEY
 from ..model.causal_lm import CausalLM
-from .adapters import LoRAAdapter, check_adapter_name, load_adapter
+from .adapters import LoRAAdapter, activation_start, check_adapter_name, load_adapter
 from .events import AdapterEvent, AdapterEventLog
 from .host_cache import HostCache
 from .loader import AdapterLoader, LoadResult
@@ -52,8 +52,9 @@ class AdapterInfo:
 class LoRAManager:
     def __init__(self, model: CausalLM, cfg: ModelConfig, max_loras: int, max_rank: int,
                  max_cpu_lora_bytes: int, roots: tuple[str, ...] = (), adapter_dirs: tuple[str, ...] = (),
-                 loader_threads: int = 2, device: torch.device | None = None):
+                 loader_threads: int = 2, device: torch.device | None = None, dora: bool = True):
         self._cfg = cfg
+        self._dora = dora  # False: DoRA adapters are refused (a quantized base: no full-width rows to take norms of)
         self.max_loras = max_loras
         self.max_rank = max_rank
         self._device = device or torch.device("cpu")
@@ -78,10 +79,13 @@ class LoRAManager:
         files under `roots` (None: the manager's roots; empty: anywhere). The name follows the one rule
         (adapters.check_adapter_name) whatever the source."""
         check_adapter_name(name)
-        adapter = load_adapter(name, path, self._cfg, self.max_rank, self.roots if roots is None else roots)
+        adapter = load_adapter(name, path, self._cfg, self.max_rank, self.roots if roots is None else roots,
+                               self._dora)
         if self._pin:
             adapter.weights = [{m: (a.pin_memory(), b.pin_memory()) for m, (a, b) in layer.items()}
                                for layer in adapter.weights]
+            if adapter.magnitudes is not None:
+                adapter.magnitudes = [{m: v.pin_memory() for m, v in layer.items()} for layer in adapter.magnitudes]
         return adapter
 
     def _read(self, name: str, path: str | Path) -> LoRAAdapter:
@@ -230,6 +234,13 @@ class LoRAManager:
                 self._load_into(slot, self._host_copy(name, read))
             self._slots.pin(slot)
             return slot, loaded
+
+    def activation_start(self, name: str | None, prompt_ids: list[int]) -> int:
+        """Where `name` starts acting on a sequence with this prompt (0 but for an activated LoRA); the adapter has
+        been read (acquire)."""
+        entry = self._registry.get(name) if name else None
+        meta = entry.meta if entry is not None else None
+        return activation_start(prompt_ids, meta.invocation_tokens if meta is not None else None)
 
     def cache_key(self, slot: int) -> bytes:
         """The prefix cache's key for KV computed with `slot`'s weights (slot 0: the base model)."""

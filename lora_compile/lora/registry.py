@@ -27,6 +27,11 @@ class AdapterEntry:
     roots: tuple[str, ...]    # its files must stay under these whenever they are read (empty: anywhere)
 
 
+def _without_weights(adapter: LoRAAdapter) -> LoRAAdapter:
+    """What the registry keeps of an adapter read: its facts, not its tensors (the host cache holds those)."""
+    return replace(adapter, weights=[], magnitudes=None if adapter.magnitudes is None else [])
+
+
 class AdapterRegistry:
     def __init__(self, roots: tuple[str, ...] = (), adapter_dirs: tuple[str, ...] = ()):
         self.adapter_dirs = tuple(str(Path(d).expanduser().resolve()) for d in adapter_dirs)
@@ -47,7 +52,7 @@ class AdapterRegistry:
 
     def add(self, adapter: LoRAAdapter, roots: tuple[str, ...] | None) -> None:
         """Register `adapter` (read under `roots`; None: the registry's)."""
-        self._entries[adapter.name] = AdapterEntry(adapter.path, replace(adapter, weights=[]), on_demand=False,
+        self._entries[adapter.name] = AdapterEntry(adapter.path, _without_weights(adapter), on_demand=False,
                                                    roots=self.roots if roots is None else roots)
 
     def note_read(self, adapter: LoRAAdapter) -> bool:
@@ -59,7 +64,7 @@ class AdapterRegistry:
                                                                roots=self.adapter_dirs)
         if entry.path != adapter.path:
             return False
-        entry.meta = replace(adapter, weights=[])
+        entry.meta = _without_weights(adapter)
         return True
 
     def remove(self, name: str) -> None:

@@ -103,6 +103,8 @@ class DeviceSlots:
                 projection.clear_slot(slot)
 
     def _copy_layers(self, slot: int, adapter: LoRAAdapter) -> None:
-        for layer, weights in zip(self._model.layers, adapter.weights):
+        magnitudes = adapter.magnitudes or [{}] * len(adapter.weights)
+        for layer, weights, layer_magnitudes in zip(self._model.layers, adapter.weights, magnitudes):
             for projection, modules in layer.projections():
-                projection.load_slot(slot, [weights.get(m) for m in modules])
+                projection.load_slot(slot, [weights.get(m) for m in modules],
+                                     [layer_magnitudes.get(m) for m in modules] if layer_magnitudes else None)

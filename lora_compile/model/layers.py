@@ -159,6 +159,11 @@ class LoRALinear(nn.Module):
         self.b_chunk = b_chunk
         b_shape = (out_features // b_chunk, b_rows, b_chunk) if b_chunk else (b_rows, out_features)
         self.register_buffer("lora_b", torch.zeros(n_stored, *b_shape, dtype=dtype, device=device), persistent=False)
+        # DoRA: each slot's per-output rescale g = magnitude / ||W + B·A|| (row norms), computed when the slot is
+        # loaded; 1 for plain LoRA slots and the base model's slot 0, where the forward then computes exactly what
+        # it computes without DoRA (forward).
+        self.register_buffer("dora_scale", torch.ones(n_stored, out_features, dtype=dtype, device=device),
+                             persistent=False)
         self.max_loras = max_loras
         # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading;
         # while a lone adapter runs merged (lora/merge.py), weight_packed is that adapter's merged pack.
@@ -205,20 +210,23 @@ class LoRALinear(nn.Module):
         return quantization.nbytes(self.qweight, self.qscales)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
+        """x·Wᵀ, without the bias."""
         if self.weight is None:
-            y = quantization.linear(x, self.quant, self.qweight, self.qscales, self.group_size)
-        else:
-            y = linear(x, self.weight, self.weight_packed)
+            return quantization.linear(x, self.quant, self.qweight, self.qscales, self.group_size)
+        return linear(x, self.weight, self.weight_packed)
+
+    def _biased(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
     @torch.no_grad()
     def merged_weight(self, slot: int) -> torch.Tensor:
-        """W + B·A for slot `slot` (scaling folded in), (out, in): the weight a token of that adapter sees."""
+        """g ⊙ (W + B·A) for slot `slot` (scaling folded in; g its DoRA rescale, else 1), (out, in): the weight a
+        token of that adapter sees."""
         a_rows, b = self.lora_a(slot), self.b_matrix(slot)
         merged = self.weight.clone()
         for i, (start, end) in enumerate(self._slices):
             merged[start:end] += b[self.b_rows(i), start:end].T @ a_rows[i * self.max_rank : (i + 1) * self.max_rank]
-        return merged
+        return merged * self.dora_scale[slot][:, None]
 
     def lora_a(self, slot: int) -> torch.Tensor:
         """Slot `slot`'s stacked A rows, (c·max_rank, in): a view into lora_a_stack."""
@@ -231,19 +239,25 @@ class LoRALinear(nn.Module):
         A batch with segments (the grouped kernel, compile_policy.lora_kernel) takes grouped GEMMs, compiled or not."""
         base = self._base(x)
         if lora.weight_indices is None:  # base-model-only step: its own graph, with no LoRA work at all
-            return base
+            return self._biased(base)
         if lora.segment_offsets is not None:
-            return base + _lora_delta_grouped(self, x, lora)
-        if lora.slot_mask is not None:
-            return base + _lora_delta_masked(self, x, lora.slot_mask)
-        delta = _lora_delta_indexed if compiled else _lora_delta_segmented
-        return base + delta(self, x, lora.weight_indices)
+            delta = _lora_delta_grouped(self, x, lora)
+        elif lora.slot_mask is not None:
+            delta = _lora_delta_masked(self, x, lora.slot_mask)
+        else:
+            delta = (_lora_delta_indexed if compiled else _lora_delta_segmented)(self, x, lora.weight_indices)
+        # DoRA as PEFT computes it: x·Wᵀ + bias + ((g - 1) ⊙ x·Wᵀ + g ⊙ Δ). Where g is 1 (plain LoRA, the base)
+        # that is x·Wᵀ + bias + Δ to the last bit, as before DoRA; Inductor fuses it into the add it replaces.
+        g = self.dora_scale[lora.weight_indices]
+        return self._biased(base) + ((g - 1) * base + g * delta)
 
     @torch.no_grad()
-    def load_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    def load_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None],
+                  magnitudes: list[torch.Tensor | None] | None = None) -> None:
         """Copy one adapter into `slot` (>= 1) in place (same tensors: nothing recompiles).
 
-        parts[i] is (A (r, in), B_scaled (out_i, r)) for output slice i, or None where the adapter lacks it.
+        parts[i] is (A (r, in), B_scaled (out_i, r)) for output slice i, or None where the adapter lacks it;
+        magnitudes[i] a DoRA adapter's magnitude (out_i,) for slice i.
         """
         self.clear_slot(slot)
         a_rows = self.lora_a(slot)
@@ -258,11 +272,28 @@ class LoRALinear(nn.Module):
             a_rows[i * self.max_rank : i * self.max_rank + r].copy_(a_part)
             b_slice = self._b_slice(slot, i)[:r]
             b_slice.copy_(b_part.T.reshape(b_slice.shape))
+            if magnitudes is not None and magnitudes[i] is not None:
+                self._load_dora_scale(slot, i, a_part, b_part, magnitudes[i])
+
+    def _load_dora_scale(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor) -> None:
+        """g = magnitude / ||W + B·A|| per output row of slice i, once per slot load (a constant of the slot, as
+        PEFT's is once per weight): W + B·A is formed in float32 a bounded run of rows at a time."""
+        start, end = self._slices[i]
+        a32, b32 = a.float(), b.float()
+        norms = torch.empty(end - start, dtype=torch.float32, device=a.device)
+        rows = max(1, (1 << 24) // self.in_features)  # ~64 MiB of float32 at a time
+        for first in range(0, end - start, rows):
+            last = min(first + rows, end - start)
+            w = self.weight[start + first:start + last].float() + b32[first:last] @ a32
+            norms[first:last] = torch.linalg.vector_norm(w, dim=1)
+        magnitude = magnitude.to(norms.device, torch.float32, non_blocking=True)
+        self.dora_scale[slot, start:end].copy_(magnitude / norms)
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
         self.lora_a(slot).zero_()
         self.lora_b[slot].zero_()
+        self.dora_scale[slot].fill_(1)
 
 
 def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
