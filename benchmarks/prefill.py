@@ -12,7 +12,8 @@ turn within each round, medians over rounds:
   adapters;
 - inter-token latency of 8 streams decoding (16-token prompts) while a 1,000-token (--long) prompt arrives: the P95 of
   the streams' gaps between tokens from its arrival until its first token (each gap counted once per stream), beside
-  their median gap before it arrived.
+  their median gap before it arrived;
+- ours, once before the rounds: how far resident memory rises during a first prefill of the longest length.
 Ours: compiled engines, one per --forms entry `prefill attention:max_num_batched_tokens` (sdpa, torch's fused
 attention, the default; inductor, the generated reductions over the block table, the form before it), through the
 bare engine in its thread. vLLM-CPU (--vllm-venv or LORA_SERVE_VLLM_VENV; skipped when absent): its offline engine
@@ -138,6 +139,26 @@ class Vllm:
         return reply["token_times"][:len(streams)], at, at + reply["ttft"][-1]
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_rss_growth_mib(run) -> float | None:
+    """How far resident memory rose above where it stood while `run` ran (MiB): the peak is reset first (Linux's
+    clear_refs 5), so what the process held before, other engines included, does not count. None where the kernel
+    does not allow the reset."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    before = _status_kib("VmRSS")
+    run()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
 def gaps(times: list[list[float]], start: float, end: float) -> list[float]:
     """Each stream's gaps between consecutive tokens whose later token came in (start, end]."""
     return [b - a for t in times for a, b in zip(t, t[1:]) if start < b <= end]
@@ -176,6 +197,9 @@ def main() -> None:
     for system in systems.values():  # warm: every path once
         system.ttft(prompts(-1, 64, 1, vocab), [None])
         system.ttft(prompts(-2, 64, 8, vocab), list(NAMES))
+    # Before any long prompt has grown the heap: what a long prefill's temporaries take (in this process: ours).
+    peaks = {name: peak_rss_growth_mib(lambda: system.ttft(prompts(-3, max(args.lengths), 1, vocab), [None]))
+             for name, system in systems.items() if isinstance(system, Ours)}
 
     rows: dict[tuple[str, str], list[float]] = {}
     seed = 0
@@ -205,6 +229,9 @@ def main() -> None:
     print(f"{'':34s}" + "".join(f"{k:>22s}" for k in keys))
     for name in systems:
         print(f"{name:34s}" + "".join(f"{statistics.median(rows[(name, k)]):21.3f}s" for k in keys))
+    for name, growth in peaks.items():
+        print(f"{name}: peak resident memory during its first {max(args.lengths)}-token prefill: "
+              + (f"+{growth:.0f} MiB over the warmed-up process's" if growth is not None else "not measurable here"))
     for name, system in systems.items():
         if isinstance(system, Vllm):
             system.worker.close()

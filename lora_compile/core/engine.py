@@ -85,9 +85,9 @@ class Engine:
             log.info(huge_pages.status())
         self.rope_cos, self.rope_sin = rope_tables(mc, config.max_seq_len, self.dtype, self.device)
         self.adapters = LoRAManager(
-            self.model, mc, config.max_loras_per_batch, config.max_lora_rank, host_cache_bytes(config.max_cpu_lora_bytes),
-            tuple(config.adapter_roots), tuple(config.adapter_dirs), config.adapter_loader_threads, self.device,
-            dora=not self.quantized,
+            self.model, mc, config.max_loras_per_batch, config.max_lora_rank,
+            host_cache_bytes(config.max_cpu_lora_bytes), tuple(config.adapter_roots), tuple(config.adapter_dirs),
+            config.adapter_loader_threads, self.device, dora=not self.quantized,
         )
         self.scheduler = Scheduler(config, self.kv_cache, self.adapters,
                                    lambda seq: self.check_request(seq.prompt_ids, seq.sampling), self._on_admitted)
