@@ -146,11 +146,12 @@ class Scheduler:
                 if not (first.aborted or first.is_finished or first.output_ids):
                     continue
                 seq.waits_for = None
-            error = self._adapter_read(seq)
-            if error is not False:
-                if error is not None:
-                    out.rejected.append((seq, error))
-                    handled.add(id(seq))
+            try:
+                if not self._adapter_ready(seq):
+                    continue  # its adapter is being read: it keeps its place, the others go on
+            except Exception as exc:  # noqa: BLE001 - the read failed: the request's status
+                out.rejected.append((seq, exc))
+                handled.add(id(seq))
                 continue
             resident = self.adapters.is_resident(seq.adapter)
             if blocked is not None and (not resident or blocked.overtaken >= self.max_overtakes):
@@ -183,22 +184,19 @@ class Scheduler:
         if handled:
             self.waiting = deque(s for s in self.waiting if id(s) not in handled)
 
-    def _adapter_read(self, seq: Sequence) -> Exception | None | bool:
-        """False: its adapter is in host memory (admission goes on); None: it waits for a read; an exception: the
-        read failed, and the sequence fails with it."""
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        """Whether its adapter is in host memory (admission goes on); False while a read runs (one is started if it
+        was evicted since). Raises the read's error: the sequence fails with it."""
         load = seq.adapter_load
         if load is not None:
             if not load.done():
-                return None  # its adapter is being read: it waits, the others go on
+                return False
             seq.adapter_load = None
             result = load.result()
             if result.error is not None:
-                return result.error
+                raise result.error.with_traceback(None)  # (one error for every request that waited on the read)
             seq.adapter_read = (result.start_ns, result.end_ns)
-        try:
-            return None if self.start_load(seq) else False  # evicted from host memory since: read it again
-        except Exception as exc:  # noqa: BLE001 - the request's status
-            return exc
+        return not self.start_load(seq)  # evicted from host memory since: read it again
 
     # --- what a sequence holds ----------------------------------------------------------------------
     def _kv_tokens_at_admission(self, seq: Sequence) -> int:
