@@ -18,13 +18,13 @@ from lora_compile import Engine
 from service.connections import ConnectionLimits, raise_open_files_limit
 from service.front.chat_template import load_chat_template
 from service.front.front import RequestFront
-from service.limits import RequestLimits
 from service.grpc_api.server import GrpcServer
 from service.http_api.app import HttpDoor, create_app
 from service.http_api.server import HttpServer
 from service.lifecycle import ServingState
-from service.runner.observer_group import ObserverGroup
+from service.limits import RequestLimits
 from service.runner.engine_runner import EngineRunner
+from service.runner.observer_group import ObserverGroup
 from service.security import SecurityConfig
 from service.telemetry.access_log import AccessLog
 from service.telemetry.http_tracing import HttpTracer

@@ -16,11 +16,11 @@ from service._proto import pb, pb_grpc
 from service.client import InvalidArgumentError
 from service.errors import InvalidArgument
 from service.front.generate_params import GenerateParams
+from service.front.prepare import validate
 from service.grpc_api.params import GRPC_NAMES
 from service.http_api.openai_params import COMPLETION_NAMES, NOT_HONOURED, REMOVED_GUIDED_FIELDS, generate_params
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest
 from service.limits import RequestLimits
-from service.front.prepare import validate
 from service.runner.request import ModelInfo
 from service.server import ServerConfig
 from tests.checkpoints import load_reference

@@ -17,8 +17,6 @@ from typing import Protocol
 
 from lora_compile import SamplingParams
 from lora_compile.errors import AdapterNameError, AdapterPathError
-from lora_compile.sample.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
-from lora_compile.sample.structured_output import GrammarError, StructuredOutput
 from lora_compile.sample.sampling import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -26,8 +24,11 @@ from lora_compile.sample.sampling import (
     SAMPLING_RULES,
     sampling_problem,
 )
+from lora_compile.sample.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
+from lora_compile.sample.structured_output import GrammarError, StructuredOutput
 from service.errors import FieldViolation, InvalidArgument, NotFound
 from service.front.generate_params import FieldNames, GenerateParams
+from service.heap import LARGE_REQUEST_BYTES, HeapTrimmer
 from service.limits import (
     MAX_NAME_CHARS,
     MAX_REPORTED_BAD_IDS,
@@ -38,7 +39,6 @@ from service.limits import (
     MAX_TOP_LOGPROBS,
     RequestLimits,
 )
-from service.heap import LARGE_REQUEST_BYTES, HeapTrimmer
 from service.runner.request import GenerationRequest, ModelInfo
 
 TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop (the tokenizer thread)

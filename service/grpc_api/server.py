@@ -13,12 +13,12 @@ from service._proto import pb, pb_grpc
 from service.connections import ConnectionLimits
 from service.front import RequestFront
 from service.front.chat_template import ChatTemplate
-from service.limits import RequestLimits
 from service.grpc_api.interceptors import ErrorInterceptor
 from service.grpc_api.reflection import enable_reflection
 from service.grpc_api.security import AuthInterceptor
 from service.grpc_api.servicers import AdaptersServicer, GenerationServicer
 from service.lifecycle import ServingState
+from service.limits import RequestLimits
 from service.security import SecurityConfig, TlsConfig
 from service.telemetry.interceptor import TracingInterceptor
 

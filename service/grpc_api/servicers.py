@@ -7,9 +7,9 @@ import dataclasses
 import grpc
 
 from service._proto import pb, pb_grpc
+from service.affinity import ADAPTER_ID_HEADER, REPLICA_ID_HEADER, adapter_header_problem
 from service.errors import FieldViolation, InvalidArgument
 from service.front import RequestFront, RequestOutput
-from service.affinity import ADAPTER_ID_HEADER, REPLICA_ID_HEADER, adapter_header_problem
 from service.front.chat_template import ChatTemplate, render_chat
 from service.grpc_api.params import add_generation_prompt, chat_messages, from_proto
 

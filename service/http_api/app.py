@@ -13,16 +13,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.affinity import REPLICA_ID_HEADER
 from service.errors import InvalidArgument, NotFound, Unavailable
 from service.front import GenerateParams, RequestFront
-from service.affinity import REPLICA_ID_HEADER
 from service.front.chat_template import ChatTemplate, render_chat
 from service.http_api import openai_params, vllm_routes
 from service.http_api.errors import error_body, error_response, grpc_status
 from service.http_api.hosts import HostCheck, HostPolicy
 from service.http_api.model_cards import model_cards
-from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, dumped
 from service.http_api.prompts import completion_params
+from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, dumped
 from service.http_api.request_checks import authorize, read_body, require_json
 from service.http_api.responses import Responder
 from service.http_api.sse import EventStream, until_disconnect

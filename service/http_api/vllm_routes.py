@@ -18,8 +18,8 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from service.front.chat_template import render_chat
 from service.errors import AdapterError, AdapterNameError, AdapterPathError, FieldViolation, InvalidArgument, Unavailable
+from service.front.chat_template import render_chat
 from service.http_api.errors import HttpError, error_body, error_response
 from service.http_api.model_cards import model_cards
 from service.http_api.protocol import dumped
