@@ -42,3 +42,8 @@ class AdapterOutputError(AdapterError):
 class AdapterNotReadyError(LoraCompileError):
     """An adapter left host memory (evicted) between admission's check and its copy into a device slot: the
     server reads it on the loader threads, never in the engine thread."""
+
+
+class AdapterMixError(LoraCompileError):
+    """A weighted mix of adapters that cannot be served as asked (their ranks add up past --max-lora-rank, or a
+    member is an activated or DoRA adapter): the request's own fault, not the adapters'."""

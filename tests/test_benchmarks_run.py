@@ -48,6 +48,8 @@ GPU = torch.cuda.is_available()
 RUNS = {
     "activated_lora": Run(("--conversation-tokens", "40", "--rounds", "1", *EAGER_TINY),
                           r"median activated / cold: [\d.]+"),
+    "adapter_mixes": Run(("--batches", "2", "--steps", "2", "--rounds", "1", "--no-peft", *EAGER_TINY),
+                         r"a mix of 2 [\d.]+ ms"),
     "adapter_loader": Run(("--adapters", "2", "--rounds", "1", "--steps", "2", *EAGER_TINY),
                           r"no reads, after torch ran on side threads: +[\d.]+ ms"),
     "attention": Run(("--batches", "2", "--keys", "8", "--rounds", "1", "--no-compile"), r"gather \+ bmm +[\d.]+"),

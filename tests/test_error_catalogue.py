@@ -2,8 +2,11 @@
 test that covers it), and each case gets the documented status, field and message."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +40,10 @@ def _chat() -> pb.GenerateRequest:
     request = _request(None)
     request.chat.messages.add(role="user", content="Hi")
     return request
+
+
+def _mix(*members: tuple[str, float]) -> pb.GenerateRequest:
+    return _request(adapters=[pb.AdapterWeight(name=name, weight=weight) for name, weight in members])
 
 
 def _biased(logit_bias: dict[int, float]) -> pb.GenerateRequest:
@@ -136,7 +143,26 @@ GENERATE_CASES: dict[str, Case] = {
                 "structured_output: does not compile: Invalid type: nonsense", ("structured_output",)),
     "G53": Case(_chat(), PRECONDITION, "has no chat template (tokenizer_config.json has no chat_template); send "
                 "text you format yourself"),
+    "G56": Case(_mix(("pirate", 0.5), ("pirate", 0.5)), INVALID, "adapters[1]: adapter 'pirate' is named twice; give "
+                "each adapter once, with the sum of its weights", ("adapters[1]",), max_violations=1),
+    "G57": Case(_mix(("pirate", 0.5), ("scribe", NAN)), INVALID, "adapters[1]: the weight of 'scribe' must be a finite "
+                "number in [-100, 100], got nan", ("adapters[1]",), max_violations=1),
+    "G58": Case(_mix(*((f"a{i}", 0.5) for i in range(9))), INVALID, "adapters: at most 8 adapters in one mix, got 9",
+                ("adapters",), max_violations=1),
+    "G59": Case(_mix(("poet", 1.0), ("pirate", 0.5)), INVALID, "adapters: the ranks of a mix add up: poet 16 + "
+                "pirate 8 = 24, over this server's --max-lora-rank 16; mix fewer or lower-rank adapters, or raise "
+                "--max-lora-rank", ("adapters",), max_violations=1),
+    "G60": Case(_mix(("pirate", 0.5), ("no-such-adapter", 0.5)), NOT_FOUND, "adapter 'no-such-adapter' is not loaded"),
+    "G61": Case(_request(adapter="pirate", adapters=[pb.AdapterWeight(name="scribe", weight=0.5)]), INVALID,
+                "adapters: name the adapters either here or as the model ('pirate'), not both", ("adapters",)),
 }
+# G62 needs a member that cannot be mixed: loaded for its own test (test_an_activated_member_cannot_be_mixed).
+G62 = Case(_mix(("pirate", 0.5), ("checker", 0.5)), INVALID, "adapters: adapter 'checker' is an activated LoRA "
+           "(alora_invocation_tokens): it acts from its own position in the prompt and cannot be mixed; request it "
+           "alone", ("adapters",), max_violations=1)
+# Rows whose message the page words otherwise than the case's: G33 says "same as G32"; G48's case sends two bad
+# biases, the page quotes the first.
+WORDED_OTHERWISE = {"G33", "G48"}
 
 # Entries checked by other tests (test file :: test name).
 ELSEWHERE = {
@@ -178,9 +204,35 @@ def channel(served):
         yield ch
 
 
+@contextmanager
+def activated_member(target: str, root: Path) -> Iterator[str]:
+    """G62's member, loaded on the server at `target` for the block: `checker`, the demo pirate adapter made an
+    activated LoRA (alora_invocation_tokens), which a mix cannot hold."""
+    path = root / "checker"
+    shutil.copytree(demo_paths()[1]["pirate"], path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps(config | {"alora_invocation_tokens": [7, 8]}))
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.AdaptersStub(channel)
+        stub.LoadAdapter(pb.LoadAdapterRequest(name="checker", path=str(path)), timeout=10)
+        try:
+            yield "checker"
+        finally:
+            stub.UnloadAdapter(pb.UnloadAdapterRequest(name="checker"), timeout=10)
+
+
 @pytest.mark.parametrize("case_id", list(GENERATE_CASES))
 def test_generate_catalogue(channel, served, case_id):
-    case = GENERATE_CASES[case_id]
+    _check(channel, served, GENERATE_CASES[case_id])
+
+
+def test_an_activated_member_cannot_be_mixed(channel, served, tmp_path):
+    """G62 (the catalogue's adapters stay the three demo ones: `checker` is loaded for this test only)."""
+    with activated_member(served.target, tmp_path):
+        _check(channel, served, G62)
+
+
+def _check(channel: grpc.Channel, served: ServerThread, case: Case) -> None:
     payload = case.request if isinstance(case.request, bytes) else case.request.SerializeToString()
     result = raw_generate(channel, payload)
     assert result.code == case.code, (result.code, result.message)
@@ -268,10 +320,15 @@ def test_too_many_open_streams():
 
 def test_catalogue_and_tests_agree():
     """Every id in docs/errors.md is checked here or in the test it names, and nothing here is undocumented."""
-    documented = set(re.findall(r"^\| ([GTLUCA]\d\d) \|", CATALOGUE.read_text(), flags=re.M))
-    here = set(GENERATE_CASES) | {"T01", "T02", "T03", "L01", "L02", "L03", "L04", "L05", "L06", "L07", "L08",
+    text = CATALOGUE.read_text()
+    documented = set(re.findall(r"^\| ([GTLUCA]\d\d) \|", text, flags=re.M))
+    here = set(GENERATE_CASES) | {"G62", "T01", "T02", "T03", "L01", "L02", "L03", "L04", "L05", "L06", "L07", "L08",
                                   "L10", "L14", "U01", "U02", "U04", "C02"}
     assert documented == here | set(ELSEWHERE), (documented ^ (here | set(ELSEWHERE)))
     for where in ELSEWHERE.values():
         path, test = where.split("::")
         assert f"def {test}(" in (ROOT / "tests" / path).read_text(), where
+    # and each case's message is the one its row quotes
+    rows = dict(re.findall(r"^\| (G\d\d) \|(.*)$", text, flags=re.M))
+    for case_id, case in (GENERATE_CASES | {"G62": G62}).items():
+        assert case_id in WORDED_OTHERWISE or case.message in rows[case_id], (case_id, case.message)

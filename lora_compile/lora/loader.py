@@ -82,3 +82,25 @@ class AdapterLoader:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def gather(name: str, futures: list[Future[LoadResult]]) -> Future[LoadResult]:
+    """One future for several loads (a mix's members): it resolves when the last does, with the first error any of
+    them had and the span from the first start to the last end."""
+    combined: Future[LoadResult] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[LoadResult]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        results = [f.result() for f in futures]
+        error = next((r.error for r in results if r.error is not None), None)
+        combined.set_result(LoadResult(name, None, error, min(r.start_ns for r in results),
+                                       max(r.end_ns for r in results)))
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    return combined

@@ -8,6 +8,7 @@ Each tier and concern has a file of its own, this one only composes them:
 - slots.py: the device slots (LRU, pinned while an admitted sequence uses them; only unpinned ones are evicted,
   so a running sequence never loses its weights); the copy into a slot runs in the engine thread, between steps;
 - quarantine.py: failed adapters, refused at once until their files change;
+- mixes.py: weighted mixes, composed from their members' host copies into a slot of their own;
 - events.py: what happened, for telemetry.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ from ..model.causal_lm import CausalLM
 from .adapters import LoRAAdapter, activation_start, check_adapter_name, load_adapter
 from .events import AdapterEvent, AdapterEventLog
 from .host_cache import HostCache
-from .loader import AdapterLoader, LoadResult
+from .loader import AdapterLoader, LoadResult, gather
+from .mixes import AdapterMix, check_members, compose
 from .quarantine import Quarantine
 from .registry import AdapterRegistry
 from .slots import DeviceSlots
@@ -47,6 +49,7 @@ class AdapterInfo:
     tier: str = "disk"          # where its weights are now: "device" (a slot), "host" (the cache) or "disk"
     on_demand: bool = False     # found in an adapter directory (not registered)
     host_bytes: int = 0
+    id: int = 0                 # its number for the server's life (llama.cpp's /lora-adapters ids)
 
 
 class LoRAManager:
@@ -104,7 +107,7 @@ class LoRAManager:
         Replacing one clears its device slot: call between steps."""
         name = adapter.name
         with self._lock:
-            if name in self._registry and self._slots.pins_of(name):
+            if name in self._registry and self._pins_with(name):
                 raise AdapterInUseError(f"adapter {name!r} is in use by running requests; unload it first")
             self._forget(name)
             self._registry.add(adapter, roots)
@@ -116,8 +119,8 @@ class LoRAManager:
         with self._lock:
             if name not in self._registry:
                 raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
-            if self._slots.pins_of(name):
-                raise AdapterInUseError(f"adapter {name!r} is in use by {self._slots.pins_of(name)} running requests")
+            if pins := self._pins_with(name):
+                raise AdapterInUseError(f"adapter {name!r} is in use by {pins} running requests")
             self._forget(name)
 
     def __contains__(self, name: str) -> bool:
@@ -132,6 +135,11 @@ class LoRAManager:
 
     def is_registered(self, name: str) -> bool:
         return self._registry.is_registered(name)
+
+    def name_of(self, adapter_id: int) -> str | None:
+        """The known adapter numbered `adapter_id` (AdapterInfo.id), if any."""
+        with self._lock:
+            return self._registry.name_of(adapter_id)
 
     def list(self) -> list[AdapterInfo]:
         with self._lock:
@@ -152,15 +160,23 @@ class LoRAManager:
         """Raise the remembered failure of `name`, unless its files changed since (then forget it)."""
         if name not in self._quarantine:
             return
-        if self._quarantine.check(name, self._registry.path_of(name), pinned=bool(self._slots.pins_of(name))):
+        if self._quarantine.check(name, self._registry.path_of(name), pinned=bool(self._pins_with(name))):
             self._host.drop(name)     # (the files changed: whatever was read of them before goes)
-            self._slots.forget(name)  # (no torch op: this may be the event loop)
+            for gone in (name, *self._mixes_with(name)):
+                self._slots.forget(gone)  # (no torch op: this may be the event loop)
 
     # --- host tier ----------------------------------------------------------------------------------
     def prefetch(self, name: str) -> Future[LoadResult] | None:
         """Start reading `name` into the host cache unless it is there (None) or in a device slot (None); the
         load under way if one is. Raises AdapterNotFoundError, AdapterNameError, or the error of an earlier
         failure when the files have not changed since."""
+        mix = AdapterMix.parse(name)
+        if mix is not None:
+            with self._lock:
+                if name in self._slots.slot_of:
+                    return None
+                futures = [f for f in map(self.prefetch, mix.names) if f is not None]
+            return gather(name, futures) if futures else None
         with self._lock:
             self._check_failed(name)
             if self._host.get(name) is not None or name in self._slots.slot_of:
@@ -171,8 +187,14 @@ class LoRAManager:
             return self.loader.submit(name, str(path))
 
     def is_ready(self, name: str | None) -> bool:
-        """In host memory or a device slot, and not failed: admission needs no file read."""
-        return not name or (name not in self._quarantine and (name in self._host or name in self._slots.slot_of))
+        """In host memory or a device slot, and not failed: admission needs no file read. A mix: in a slot, or
+        every member ready."""
+        if not name or name in self._slots.slot_of:
+            return True
+        mix = AdapterMix.parse(name)
+        if mix is not None:
+            return all(map(self.is_ready, mix.names))
+        return name not in self._quarantine and name in self._host
 
     def _on_loaded(self, result: LoadResult) -> None:
         """In the loader thread, before the load's future resolves."""
@@ -222,16 +244,22 @@ class LoRAManager:
         if not name:
             return 0, False
         with self._lock:
-            if name not in self._registry and self._registry.find_on_disk(name) is None:
-                raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
-            self._check_failed(name)
+            mix = AdapterMix.parse(name)
+            for member in mix.names if mix is not None else (name,):
+                if member not in self._registry and self._registry.find_on_disk(member) is None:
+                    raise AdapterNotFoundError(f"adapter {member!r} is not loaded")
+                self._check_failed(member)
             slot = self._slots.slot_of.get(name)
             loaded = slot is None
             if loaded:
                 slot = self._slots.free_slot()
                 if slot is None:
                     return None
-                self._load_into(slot, self._host_copy(name, read))
+                if mix is None:
+                    adapter = self._host_copy(name, read)
+                else:  # composed from the members' host copies (a concatenation: the size of one slot copy)
+                    adapter = compose(mix, [self._host_copy(m, read) for m in mix.names], self.max_rank)
+                self._load_into(slot, adapter)
             self._slots.pin(slot)
             return slot, loaded
 
@@ -241,6 +269,14 @@ class LoRAManager:
         entry = self._registry.get(name) if name else None
         meta = entry.meta if entry is not None else None
         return activation_start(prompt_ids, meta.invocation_tokens if meta is not None else None)
+
+    def check_mix(self, mix: AdapterMix) -> None:
+        """Raise AdapterMixError now where the members already read show that `mix` cannot be served (ranks over
+        max_lora_rank, an activated or DoRA member); members never read yet are checked when the mix is composed."""
+        with self._lock:
+            entries = [self._registry.get(m) for m in mix.names]
+            known = [e.meta for e in entries if e is not None and e.meta is not None]
+        check_members(known, self.max_rank)  # (the known members' ranks alone may already add up past the limit)
 
     def cache_key(self, slot: int) -> bytes:
         """The prefix cache's key for KV computed with `slot`'s weights (slot 0: the base model)."""
@@ -281,7 +317,7 @@ class LoRAManager:
     def tier_counts(self) -> dict[str, int]:
         """Adapters per tier, each counted where it is fastest to use: device, else host, else disk (known only)."""
         with self._lock:
-            device = len(self._slots.slot_of)
+            device = sum(1 for n in self._slots.slot_of if AdapterMix.parse(n) is None)  # (mixes are no adapter)
             host = sum(1 for n in self._host.names() if n not in self._slots.slot_of)
             known = len(self._registry.known_names())
             return {"device": device, "host": host, "disk": max(0, known - device - host)}
@@ -291,7 +327,16 @@ class LoRAManager:
         self._registry.remove(name)
         self._quarantine.forget(name)
         self._host.drop(name)
-        self._slots.drop(name)
+        for gone in (name, *self._mixes_with(name)):  # a mix holds the member's old weights: composed anew
+            self._slots.drop(gone)
+
+    def _mixes_with(self, name: str) -> list[str]:
+        """The mixes in a device slot that have `name` among their members."""
+        return [n for n in list(self._slots.slot_of) if (m := AdapterMix.parse(n)) is not None and name in m.names]
+
+    def _pins_with(self, name: str) -> int:
+        """Running sequences that use `name`, alone or in a mix."""
+        return self._slots.pins_of(name) + sum(self._slots.pins_of(m) for m in self._mixes_with(name))
 
     def _host_copy(self, name: str, read: bool) -> LoRAAdapter:
         adapter = self._host.get(name)
@@ -316,4 +361,5 @@ class LoRAManager:
         host = self._host.peek(name)
         tier = "device" if slot is not None else ("host" if host is not None else "disk")
         return AdapterInfo(name, str(entry.path), meta.rank, meta.alpha, meta.target_modules, slot,
-                           self._slots.pins_of(name), tier, entry.on_demand, host.nbytes if host is not None else 0)
+                           self._slots.pins_of(name), tier, entry.on_demand, host.nbytes if host is not None else 0,
+                           self._registry.id_of(name))

@@ -38,6 +38,10 @@ class AdapterRegistry:
         # Every adapter directory is an adapter root too: with either set, LoadAdapter stays inside them.
         self.roots = tuple(dict.fromkeys((*roots, *self.adapter_dirs)))
         self._entries: dict[str, AdapterEntry] = {}
+        # A number per name, given when the name is first registered or read and kept for the process's life (a
+        # name unloaded and loaded again keeps it): what llama.cpp's /lora-adapters and per-request `lora` use.
+        self._ids: dict[str, int] = {}
+        self._names: list[str] = []  # the reverse: _names[id]
 
     def __contains__(self, name: str) -> bool:
         """Registered or already read on demand (no file access)."""
@@ -54,6 +58,7 @@ class AdapterRegistry:
         """Register `adapter` (read under `roots`; None: the registry's)."""
         self._entries[adapter.name] = AdapterEntry(adapter.path, _without_weights(adapter), on_demand=False,
                                                    roots=self.roots if roots is None else roots)
+        self._number(adapter.name)
 
     def note_read(self, adapter: LoRAAdapter) -> bool:
         """An adapter was read from disk: remember what it holds (an on-demand one gets its entry now). False when
@@ -65,7 +70,23 @@ class AdapterRegistry:
         if entry.path != adapter.path:
             return False
         entry.meta = _without_weights(adapter)
+        self._number(adapter.name)
         return True
+
+    def _number(self, name: str) -> None:
+        if name not in self._ids:
+            self._ids[name] = len(self._names)
+            self._names.append(name)
+
+    def id_of(self, name: str) -> int:
+        """The name's number (known_names' adapters all have one)."""
+        return self._ids[name]
+
+    def name_of(self, adapter_id: int) -> str | None:
+        """The known adapter with this number, if any."""
+        name = self._names[adapter_id] if 0 <= adapter_id < len(self._names) else None
+        entry = self._entries.get(name) if name is not None else None
+        return name if entry is not None and entry.meta is not None else None
 
     def remove(self, name: str) -> None:
         self._entries.pop(name, None)

@@ -93,7 +93,7 @@ class ResponseOptions(_message.Message):
     def __init__(self, logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "adapter", "text", "token_ids", "chat", "sampling", "stopping", "response", "structured_output")
+    __slots__ = ("request_id", "adapter", "text", "token_ids", "chat", "sampling", "stopping", "response", "structured_output", "adapters")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class GenerateRequest(_message.Message):
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     adapter: str
     text: str
@@ -112,7 +113,16 @@ class GenerateRequest(_message.Message):
     stopping: StoppingCriteria
     response: ResponseOptions
     structured_output: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterWeight]
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[AdapterWeight, _Mapping]]] = ...) -> None: ...
+
+class AdapterWeight(_message.Message):
+    __slots__ = ("name", "weight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class Chat(_message.Message):
     __slots__ = ("messages", "add_generation_prompt")

@@ -31,7 +31,11 @@ def client_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message, rendered with the model's chat template")
-    g.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
+    which = g.add_mutually_exclusive_group()
+    which.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
+    which.add_argument("--mix", action="append", default=[], type=_mix_member, metavar="NAME=WEIGHT",
+                       help="a weighted mix of adapters instead: repeat for each member, in order (e.g. --mix "
+                            "pirate=0.7 --mix robot=0.3; weights in -100 .. 100)")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -91,6 +95,16 @@ def _logit_bias(value: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 42=-100), got {value!r}") from None
 
 
+def _mix_member(value: str) -> tuple[str, float]:
+    name, sep, weight = value.rpartition("=")  # (the weight never holds "=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name, float(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=WEIGHT (e.g. pirate=0.7), got {value!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from service.client import DeadlineExceededError, LoraServeClient, LoraServeError
     from service.client.channel import ADMIN_TOKEN_ENV, API_TOKEN_ENV, ClientTLS
@@ -131,6 +145,7 @@ def _run_client_command(client, args) -> int:
             logit_bias=dict(args.logit_bias), n=args.n, stop=args.stop, stop_token_ids=args.stop_token_id,
             ignore_eos=args.ignore_eos, prompt_logprobs=args.prompt_logprobs, json_schema=args.json_schema,
             json_object=args.json_object, regex=args.regex, choice=args.choice, grammar=args.grammar,
+            adapters=args.mix or None,
         )
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         if (args.n or 1) > 1:  # interleaved streams would be unreadable: each choice once it is whole

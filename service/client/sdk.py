@@ -114,7 +114,7 @@ class ModelInfo:
 # --- proto conversions (shared by both clients) -----------------------------------------------------
 def build_generate_request(
     prompt: str | Sequence[int] | Sequence[Mapping], *, adapter: str | None = None,
-    max_new_tokens: int | None = None,
+    adapters: Mapping[str, float] | Sequence[tuple[str, float]] | None = None, max_new_tokens: int | None = None,
     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
     min_p: float | None = None, seed: int | None = None, repetition_penalty: float | None = None,
     presence_penalty: float | None = None, frequency_penalty: float | None = None,
@@ -125,11 +125,14 @@ def build_generate_request(
     choice: Sequence[str] | None = None, grammar: str | None = None,
 ) -> pb.GenerateRequest:
     """None leaves a field unset (server default); text prompts are tokenized by the server; a list of OpenAI chat
-    messages ({"role": ..., "content": ...}) is rendered with the model's chat template. `logit_bias`: token
+    messages ({"role": ..., "content": ...}) is rendered with the model's chat template. `adapters`: a weighted
+    mix instead of `adapter`, {name: weight} or (name, weight) pairs, in PEFT's cat order. `logit_bias`: token
     id -> bias added to its logit; `n`: choices from the one prompt (each chunk's `index` says which);
     `prompt_logprobs`: the prompt's log-probabilities and top k (in the first chunk). At most one of
     `json_schema` (a dict or its JSON text), `json_object`, `regex`, `choice`, `grammar`: the output held to it."""
     req = pb.GenerateRequest(request_id=request_id, adapter=adapter or "")
+    for name, weight in _mix_members(adapters):
+        req.adapters.add(name=name, weight=weight)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):  # OpenAI's chat messages: the server's template renders them
@@ -162,6 +165,15 @@ def build_generate_request(
     return req
 
 
+def _mix_members(adapters) -> list[tuple[str, float]]:
+    if adapters is None:
+        return []
+    if isinstance(adapters, str):  # iterating it would send one member per character
+        raise TypeError("adapters: a mapping {name: weight} or (name, weight) pairs, not a string")
+    return [(name, float(weight)) for name, weight in (adapters.items() if isinstance(adapters, Mapping)
+                                                       else adapters)]
+
+
 def _structured_output(so: pb.StructuredOutput, json_schema, json_object, regex, choice, grammar) -> None:
     given = [name for name, v in (("json_schema", json_schema), ("json_object", json_object or None),
                                   ("regex", regex), ("choice", choice), ("grammar", grammar)) if v is not None]
@@ -180,8 +192,9 @@ def _structured_output(so: pb.StructuredOutput, json_schema, json_object, regex,
 
 
 def generate_metadata(metadata: tuple[tuple[str, str], ...] | None, params: dict) -> tuple[tuple[str, str], ...]:
-    """Call metadata for Generate: x-adapter-id, so a balancer can keep each adapter on few replicas."""
-    value = adapter_header_value(params.get("adapter"))
+    """Call metadata for Generate: x-adapter-id, so a balancer can keep each adapter on few replicas. None for a
+    mix: no one adapter names where it is warm (and "" would claim the base model)."""
+    value = None if params.get("adapters") else adapter_header_value(params.get("adapter"))
     return (*(metadata or ()), *(((ADAPTER_ID_HEADER, value),) if value is not None else ()))
 
 

@@ -89,6 +89,10 @@ class RequestFront:
         """Every known adapter: name, path, rank, tier..."""
         return self._runner.list_adapters()
 
+    def adapter_name(self, adapter_id: int) -> str | None:
+        """The known adapter numbered `adapter_id` (AdapterInfo.id, kept for the process's life), if any."""
+        return self._runner.adapter_name(adapter_id)
+
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
         """LoadAdapter, /v1/load_lora_adapter: the checks, roots and in-use refusal of adapter_management.py."""
         return await self._adapters.load(name, path)

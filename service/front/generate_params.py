@@ -36,6 +36,8 @@ class GenerateParams:
     names: FieldNames = FieldNames()
     request_id: str = ""
     adapter: str = ""                     # "": the base model
+    # A weighted mix of adapters instead (lora_compile.lora.mixes): (name, weight) pairs; one pair is a scaled adapter.
+    adapters: Sequence[tuple[str, float]] = ()
     # The prompt: text (tokenized by the server) or token ids (used as is); neither: no prompt (refused).
     text: str | None = None
     token_ids: Sequence[int] | None = None

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from lora_compile import SamplingParams
-from lora_compile.errors import AdapterNameError, AdapterPathError
+from lora_compile.errors import AdapterMixError, AdapterNameError, AdapterPathError
+from lora_compile.lora.mixes import MAX_MIX_ADAPTERS, AdapterMix, make_mix, mix_problems
 from lora_compile.sample.sampling import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -53,6 +54,8 @@ class EngineCalls(Protocol):
 
     def has_adapter(self, name: str) -> bool: ...
 
+    def check_mix(self, mix: AdapterMix) -> None: ...
+
 
 class Preparer:
     """What the request front calls before the runner takes a call (one per server: one tokenizer thread, one
@@ -81,13 +84,26 @@ class Preparer:
         if req.sampling.structured_output is not None:
             await self._compile(req.sampling.structured_output, params.names("structured_output"))
         if req.adapter is not None:
-            try:
-                known = self._engine.has_adapter(req.adapter)
-            except (AdapterNameError, AdapterPathError) as e:  # not a name an adapter directory could hold
-                raise InvalidArgument([FieldViolation(params.names("adapter"), str(e))]) from None
-            if not known:
-                raise NotFound("adapter", req.adapter)
+            self._check_adapter(req.adapter, params)
         return req
+
+    def _check_adapter(self, name: str, params: GenerateParams) -> None:
+        """NOT_FOUND for an adapter (or a mix's member) nobody has; INVALID_ARGUMENT for a mix that cannot be
+        served as asked, where its members' facts are known already (else when it is composed)."""
+        mix = AdapterMix.parse(name)
+        field = params.names("adapters" if mix is not None else "adapter")
+        for member in mix.names if mix is not None else (name,):
+            try:
+                known = self._engine.has_adapter(member)
+            except (AdapterNameError, AdapterPathError) as e:  # not a name an adapter directory could hold
+                raise InvalidArgument([FieldViolation(field, str(e))]) from None
+            if not known:
+                raise NotFound("adapter", member)
+        if mix is not None:
+            try:
+                self._engine.check_mix(mix)
+            except AdapterMixError as e:
+                raise InvalidArgument([FieldViolation(field, str(e))]) from None
 
     async def _compile(self, spec: StructuredOutput, field: str) -> None:
         """INVALID_ARGUMENT naming the problem when the grammar does not compile, before any step."""
@@ -127,6 +143,7 @@ def validate(params: GenerateParams, prompt_ids: list[int] | None, limits: Reque
     for f in ("request_id", "adapter"):
         if len(getattr(params, f)) > MAX_NAME_CHARS:
             bad.append(FieldViolation(name(f), f"at most {MAX_NAME_CHARS} characters, got {len(getattr(params, f))}"))
+    adapter = _adapter(params, bad)
     prompt_ids = _prompt(params, prompt_ids, limits, model, bad)
     max_new_tokens = _max_new_tokens(params, len(prompt_ids), limits, model, bad)
     _check_stops(params, model, bad)
@@ -156,11 +173,33 @@ def validate(params: GenerateParams, prompt_ids: list[int] | None, limits: Reque
         request_id=params.request_id or uuid.uuid4().hex,
         prompt_ids=prompt_ids,
         sampling=sampling_params,
-        adapter=params.adapter or None,
+        adapter=adapter,
         stop=tuple(params.stop),
         n=n,
         structured_output_field=name("structured_output"),
+        adapters_field=name("adapters"),
     )
+
+
+def _adapter(params: GenerateParams, bad: list[FieldViolation]) -> str | None:
+    """The adapter's name, a mix's canonical name (lora_compile.lora.mixes), or None: the base model."""
+    if not params.adapters:
+        return params.adapter or None
+    name = params.names
+    if params.adapter:
+        bad.append(FieldViolation(name("adapters"), f"name the adapters either here or as the model "
+                                                    f"({params.adapter!r}), not both"))
+        return None
+    if len(params.adapters) > MAX_MIX_ADAPTERS:  # (refused as a whole, not walked)
+        bad.append(FieldViolation(name("adapters"), f"at most {MAX_MIX_ADAPTERS} adapters in one mix, got "
+                                                    f"{len(params.adapters)}"))
+        return None
+    members = list(params.adapters)
+    problems = mix_problems(members)
+    for index, problem in problems:
+        bad.append(FieldViolation(name("adapters", index), problem))
+    mix = None if problems else make_mix(members)
+    return mix.name if mix is not None else None
 
 
 def _structured_output(params: GenerateParams, bad: list[FieldViolation]) -> StructuredOutput | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from service._proto import pb
@@ -13,7 +14,7 @@ GRPC_NAMES = FieldNames({
     **{name: f"sampling.{name}" for name in _SAMPLING}, "logit_bias": "sampling.logit_bias",
     "token_ids": "token_ids.ids[]", "max_new_tokens": "stopping.max_new_tokens", "stop": "stopping.stop[]",
     "stop_token_ids": "stopping.stop_token_ids[]", "top_logprobs": "response.top_logprobs",
-    "prompt_logprobs": "response.prompt_logprobs",
+    "prompt_logprobs": "response.prompt_logprobs", "adapters": "adapters[]",
 })
 
 
@@ -30,12 +31,30 @@ def from_proto(request: pb.GenerateRequest) -> GenerateParams:
     return GenerateParams(
         structured_output=_structured_output(request),
         names=GRPC_NAMES, request_id=request.request_id, adapter=request.adapter,
+        adapters=_AdapterWeights(request.adapters),
         text=request.text if prompt == "text" else None,
         token_ids=request.token_ids.ids if prompt == "token_ids" else None,
         logit_bias=sampling.logit_bias, stop=stopping.stop, stop_token_ids=stopping.stop_token_ids,
         ignore_eos=stopping.ignore_eos, logprobs=response.logprobs, top_logprobs=response.top_logprobs,
         **optional,
     )
+
+
+class _AdapterWeights(Sequence):
+    """GenerateRequest.adapters as (name, weight) pairs, read one item at a time: its length is known without a
+    copy, so prepare.py refuses an oversized mix before it reads any member."""
+
+    def __init__(self, members) -> None:
+        self._members = members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [(m.name, m.weight) for m in self._members[index]]
+        member = self._members[index]
+        return member.name, member.weight
 
 
 def chat_messages(chat: pb.Chat) -> list[dict[str, Any]]:

@@ -17,7 +17,8 @@ from service.affinity import REPLICA_ID_HEADER
 from service.errors import InvalidArgument, NotFound, Unavailable
 from service.front import GenerateParams, RequestFront
 from service.front.chat_template import ChatTemplate, render_chat
-from service.http_api import openai_params, vllm_routes
+from service.http_api import adapter_mixes, openai_params, vllm_routes
+from service.http_api.adapter_mixes import RequestedMix
 from service.http_api.errors import error_body, error_response, grpc_status
 from service.http_api.hosts import HostCheck, HostPolicy
 from service.http_api.model_cards import model_cards
@@ -64,6 +65,7 @@ def create_app(door: HttpDoor) -> FastAPI:
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     vllm_routes.register(app, door)  # vLLM's own: adapter loading, tokenize, version, /v1/models/{id}
+    adapter_mixes.register(app, door)  # llama.cpp's /lora-adapters (the ids its per-request `lora` names)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, method
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
@@ -153,19 +155,20 @@ class _Routes:
                 raise InvalidArgument(bad)
             adapter = openai_params.resolve_adapter(body.model, request.headers.get(openai_params.ADAPTER_HEADER),
                                                     self.info.served_model_names)
+            mix = adapter_mixes.requested_mix(body, adapter, self.front)
             rid = openai_params.request_id("chatcmpl" if chat else "cmpl", request.headers.get("x-request-id"),
                                            body.request_id)
             # (a completions prompt list: one GenerateParams per prompt, prompts.py)
             tools = (plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.door.tool_call_parser)
                      if chat else None)
-            params = ([self._chat_params(body, adapter, rid, tools)] if chat
-                      else self._completion_params(body, adapter, rid))
+            params = ([self._chat_params(body, adapter, rid, tools, mix)] if chat
+                      else self._completion_params(body, adapter, rid, mix))
             if tracer is not None:
                 tracer.record_request(call, params[0])
             try:
                 parent = await self.front.submit(params)
-            except NotFound as e:  # an adapter that is not loaded: `model`'s 404
-                raise openai_params.openai_error(e) from None
+            except NotFound as e:  # an adapter that is not loaded: `model`'s 404 (or the mix entry's)
+                raise openai_params.openai_error(e, mix) from None
         except Exception as exc:  # noqa: BLE001 - every refusal is an OpenAI error body
             response = error_response(exc)
             if tracer is not None:
@@ -189,15 +192,16 @@ class _Routes:
     async def _read_body(self, request: Request) -> bytes:
         return await read_body(request, self.door.max_body_bytes)
 
-    def _completion_params(self, body: CompletionRequest, adapter: str, rid: str) -> list[GenerateParams]:
+    def _completion_params(self, body: CompletionRequest, adapter: str, rid: str, mix: RequestedMix
+                           ) -> list[GenerateParams]:
         def params_for(prompt: str | list[int]) -> GenerateParams:
             if isinstance(prompt, str):
-                return openai_params.generate_params(body, adapter, rid, text=prompt)
-            return openai_params.generate_params(body, adapter, rid, token_ids=prompt)
+                return openai_params.generate_params(body, adapter, rid, text=prompt, mix=mix)
+            return openai_params.generate_params(body, adapter, rid, token_ids=prompt, mix=mix)
         return completion_params(body.prompt, body.n or 1, self.front.max_request_sequences, params_for)
 
-    def _chat_params(self, body: ChatCompletionRequest, adapter: str, rid: str, tools: ToolPlan | None
-                     ) -> GenerateParams:
+    def _chat_params(self, body: ChatCompletionRequest, adapter: str, rid: str, tools: ToolPlan | None,
+                     mix: RequestedMix) -> GenerateParams:
         """The messages as the model's template writes them, tokenized by the front without adding special tokens
         (the template writes them) unless add_special_tokens asks."""
         variables = body.chat_template_kwargs
@@ -206,4 +210,4 @@ class _Routes:
         text = render_chat(self.door.chat_template, self.info.model, dumped(body.messages), body.add_generation_prompt,
                            variables, instead="use /v1/completions with a prompt you format yourself",
                            tools=body.tools)
-        return openai_params.generate_params(body, adapter, rid, text=text, tools=tools)
+        return openai_params.generate_params(body, adapter, rid, text=text, tools=tools, mix=mix)

@@ -12,6 +12,7 @@ from service.affinity import (
 )
 from service.errors import FieldViolation, InvalidArgument, NotFound
 from service.front.generate_params import FieldNames, GenerateParams
+from service.http_api.adapter_mixes import RequestedMix, not_found
 from service.http_api.errors import HttpError
 from service.http_api.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from service.http_api.structured import structured_output
@@ -110,9 +111,10 @@ def request_id(prefix: str, header: str | None, body_id: str | None = None) -> s
 
 
 def generate_params(body: _Common, adapter: str, request_id: str, *, text: str | None = None,
-                    token_ids: list[int] | None = None, tools: ToolPlan | None = None) -> GenerateParams:
+                    token_ids: list[int] | None = None, tools: ToolPlan | None = None,
+                    mix: RequestedMix = RequestedMix()) -> GenerateParams:
     """What a gRPC client would send for this body (one prompt: `text` or `token_ids`); `tools`: the call's tool
-    plan, whose forced calls are its structured output."""
+    plan, whose forced calls are its structured output; `mix`: the adapters it mixes (adapter_mixes.py)."""
     if isinstance(body, ChatCompletionRequest):
         max_tokens, names = body.max_tokens, CHAT_NAMES
         if body.max_completion_tokens is not None:
@@ -130,10 +132,10 @@ def generate_params(body: _Common, adapter: str, request_id: str, *, text: str |
                 f"a forced tool call holds the output to the tool's parameters; drop {constraint[1]} (or use "
                 "tool_choice \"auto\")"))])
         constraint = (tools.constraint, "tools")
-    if constraint is not None:
-        names = FieldNames(names.names | {"structured_output": constraint[1]})
+    fields = dict(names.names) | ({"structured_output": constraint[1]} if constraint is not None else {})
     return GenerateParams(
-        names=names, request_id=request_id, adapter=adapter, text=text, token_ids=token_ids,
+        names=mix.names(fields), request_id=request_id, adapter=adapter, adapters=mix.members, text=text,
+        token_ids=token_ids,
         add_special_tokens=body.add_special_tokens,
         # OpenAI's default temperature is 1 (the gRPC API's is 0, greedy): an OpenAI client that sets none samples.
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -166,8 +168,8 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def openai_error(exc: Exception) -> Exception:
-    """A refused adapter is `model`'s: 404 for one that is not loaded."""
+def openai_error(exc: Exception, mix: RequestedMix = RequestedMix()) -> Exception:
+    """404 for an adapter that is not loaded: `model`'s, or the mix's entry that names it."""
     if isinstance(exc, NotFound) and exc.resource_type == "adapter":
-        return HttpError(404, grpc.StatusCode.NOT_FOUND, str(exc), param="model")
+        return HttpError(404, grpc.StatusCode.NOT_FOUND, str(exc), param=not_found(exc, mix))
     return exc

@@ -24,6 +24,25 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+MAX_LORA_ENTRIES = 64  # llama.cpp's `lora` may list adapters at scale 0 (off): bounds the id look-ups
+
+
+class AdapterWeight(BaseModel):
+    """One member of a weighted mix (`adapters`): an adapter by name, at weight 1 unless given."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # (a misspelt "weight" is refused, not read as 1)
+    name: Annotated[StrictStr, Field(min_length=1)]
+    weight: Number = 1.0
+
+
+class LoraScale(BaseModel):
+    """One entry of llama.cpp's per-request `lora`: an adapter by its GET /lora-adapters id, and its scale."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: Annotated[StrictInt, Field(ge=0)]
+    scale: Number  # required: llama.cpp reads a missing scale as 0 (off), which is rarely what was meant
+
+
 class _Common(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored (as OpenAI and vLLM do)."""
 
@@ -56,6 +75,9 @@ class _Common(BaseModel):
     session_id: StrictStr | None = None  # a routing / logging hint in vLLM: no effect here either
     routed_experts_prompt_start: StrictInt = 0  # about routed-expert data, which is never returned (no MoE)
     truncation_side: Literal["left", "right"] | None = None  # no effect without truncate_prompt_tokens
+    # A weighted mix of adapters (http_api/adapter_mixes.py): by name, or by id as llama.cpp's server takes them
+    adapters: list[AdapterWeight] | None = None
+    lora: Annotated[list[LoraScale], Field(max_length=MAX_LORA_ENTRIES)] | None = None
     # vLLM's fields lora-serve does not honour: refused unless neutral (openai_params.NOT_HONOURED)
     use_beam_search: StrictBool = False
     length_penalty: Number = 1.0

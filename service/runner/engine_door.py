@@ -8,6 +8,7 @@ import logging
 import service.runner.engine_thread as engine_thread
 from lora_compile import Engine
 from lora_compile.lora.manager import AdapterInfo
+from lora_compile.lora.mixes import AdapterMix
 from lora_compile.sample.structured_output import StructuredOutput
 from service.runner.detokenizer import TokenText, token_texts
 from service.runner.request import ModelInfo
@@ -64,6 +65,10 @@ class EngineDoor:
         that cannot be an adapter directory's entry, before any file is touched."""
         return self.engine.adapters.knows(name)
 
+    def check_mix(self, mix: AdapterMix) -> None:
+        """AdapterMixError (INVALID_ARGUMENT) where the members read already show `mix` cannot be served."""
+        self.engine.adapters.check_mix(mix)
+
     def is_adapter_known(self, name: str) -> bool:
         """Registered or read once (no file access): for telemetry labels."""
         return name in self.engine.adapters
@@ -73,6 +78,10 @@ class EngineDoor:
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.adapters.list()
+
+    def adapter_name(self, adapter_id: int) -> str | None:
+        """The known adapter numbered `adapter_id` (AdapterInfo.id: llama.cpp's ids), if any."""
+        return self.engine.adapters.name_of(adapter_id)
 
     @property
     def adapter_roots(self) -> tuple[str, ...]:

@@ -172,7 +172,8 @@ class EngineRunner(EngineDoor):
         try:  # its adapter's read starts now, while it queues
             self.scheduler.start_load(state.seq)
         except Exception as exc:  # noqa: BLE001 - mapped to the request's status
-            raise load_error(name, exc, self.engine.adapters.is_registered(name)) from exc
+            raise load_error(name, exc, self.engine.adapters.is_registered(name),
+                             state.request.adapters_field) from exc
         if self.observer is not None:
             self.observer.on_added(state)
         self._open_streams += 1
@@ -351,7 +352,8 @@ class EngineRunner(EngineDoor):
         for state, exc in result.rejected:
             if exc is not None:  # engine errors (e.g. AdapterNotFoundError) map to statuses in errors.py
                 name = state.request.adapter
-                state.finish_with(load_error(name, exc, self.engine.adapters.is_registered(name)) if name else exc)
+                state.finish_with(load_error(name, exc, self.engine.adapters.is_registered(name),
+                                             state.request.adapters_field) if name else exc)
             self._end(state)
         if result.adapter_events and log.isEnabledFor(logging.DEBUG):
             for e in result.adapter_events:  # (benchmarks.many_adapters reads these lines)

@@ -21,6 +21,7 @@ class GenerationRequest:
     n: int = 1                            # choices sampled from the one prompt
     # The structured output's field in the door's own words (GenerateParams.names): where a step's refusal points.
     structured_output_field: str = "structured_output"
+    adapters_field: str = "adapters"      # the same for a mix of adapters (a mix its members cannot make)
 
 
 @dataclass(frozen=True)

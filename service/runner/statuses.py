@@ -5,19 +5,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lora_compile.errors import AdapterError, AdapterNotFoundError, AdapterOutputError, GrammarError
+from lora_compile.errors import AdapterError, AdapterMixError, AdapterNotFoundError, AdapterOutputError, GrammarError
+from lora_compile.lora.mixes import AdapterMix
 from service.errors import EngineFailure, FailedPrecondition, FieldViolation, InvalidArgument
 
 if TYPE_CHECKING:
     from service.runner.request_state import RequestState
 
 
-def load_error(name: str, exc: BaseException, registered: bool) -> Exception:
-    """The status of a request whose adapter cannot be read (bad or changed files); NOT_FOUND passes through."""
+def load_error(name: str, exc: BaseException, registered: bool, mix_field: str = "adapters") -> Exception:
+    """The status of a request whose adapter cannot be read (bad or changed files); NOT_FOUND passes through; a mix
+    its members cannot make (found when it was composed) is the request's INVALID_ARGUMENT, on `mix_field`."""
+    if isinstance(exc, AdapterMixError):
+        return InvalidArgument([FieldViolation(mix_field, str(exc))])
     if isinstance(exc, AdapterNotFoundError) or not isinstance(exc, AdapterError):
         return exc  # type: ignore[return-value]
     if isinstance(exc, AdapterOutputError):  # read fine, but refused since it overflowed at run time
         return FailedPrecondition(str(exc))
+    if AdapterMix.parse(name) is not None:  # (the member's own message names it)
+        return FailedPrecondition(f"the mix {name!r} cannot be made: {exc}")
     verb = "can no longer be loaded" if registered else "cannot be loaded"
     return FailedPrecondition(f"adapter {name!r} {verb}: {exc}")
 
