@@ -1,7 +1,7 @@
 """Uncached prefill: time to first token of long prompts, and what it costs the streams already decoding.
 
     python -m benchmarks.prefill [--dtype auto] [--lengths 256 1000 4000] [--rounds 3] [--vllm-venv DIR]
-                                 [--forms sdpa:256 sdpa:512 inductor:256] [--no-itl] [--long 1000] [--no-compile]
+                                 [--forms sdpa:256 sdpa:512 inductor:256 sdpa:512:masked] [--no-itl] [--long 1000] [--no-compile]
                                  [--model-size tiny]
 
 The SmolLM2-135M-shaped checkpoint (benchmarks.common) and 8 rank-16 adapters on all 7 projections. Every prompt
@@ -14,7 +14,7 @@ turn within each round, medians over rounds:
   the streams' gaps between tokens from its arrival until its first token (each gap counted once per stream), beside
   their median gap before it arrived;
 - ours, once before the rounds: how far resident memory rises during a first prefill of the longest length.
-Ours: compiled engines, one per --forms entry `prefill attention:max_num_batched_tokens` (sdpa, torch's fused
+Ours: compiled engines, one per --forms entry `prefill attention:max_num_batched_tokens[:lora kernel]` (sdpa, torch's fused
 attention, the default; inductor, the generated reductions over the block table, the form before it), through the
 bare engine in its thread. vLLM-CPU (--vllm-venv or LORA_SERVE_VLLM_VENV; skipped when absent): its offline engine
 with LoRA on, defaults otherwise (its own chunk budget, prefix caching on), the same dtype, in a worker process of
@@ -57,14 +57,14 @@ class Ours:
     """One compiled engine; each call admits its requests, steps them through the bare engine, releases them."""
 
     def __init__(self, model: Path, adapters: dict[str, Path], dtype: str, prefill: str, budget: int,
-                 max_len: int, compile: bool = True):
+                 max_len: int, compile: bool = True, lora_kernel: str = "auto"):
         def build() -> Engine:
             # inductor: both phases' reductions (compile_policy); sdpa: the default (prefill sdpa, CPU decode not)
             engine = Engine(EngineConfig(model=str(model), dtype=dtype, max_num_seqs=STREAMS + 1,
                                          max_seq_len=max_len, max_num_batched_tokens=budget,
                                          attention_backend="inductor" if prefill == "inductor" else "auto",
                                          max_loras_per_batch=8, max_lora_rank=16, enable_prefix_caching=False,
-                                         compile=compile))
+                                         lora_kernel=lora_kernel, compile=compile))
             register_adapters(engine, adapters)
             engine.warmup()
             return engine
@@ -187,9 +187,9 @@ def main() -> None:
     adapters = write_lora_adapters(model, tmp, NAMES)
     systems: dict[str, Ours | Vllm] = {}
     for form in args.forms:
-        prefill, budget = form.split(":")
-        systems[f"ours {prefill}, {budget}-token chunks"] = Ours(model, adapters, dtype, prefill, int(budget), max_len,
-                                                                     not args.no_compile)
+        prefill, budget, *kernel = form.split(":")
+        name = f"ours {prefill}, {budget}-token chunks" + (f", {kernel[0]} LoRA" if kernel else "")
+        systems[name] = Ours(model, adapters, dtype, prefill, int(budget), max_len, not args.no_compile, *kernel)
     if args.vllm_venv:
         systems["vLLM-CPU"] = Vllm(Path(args.vllm_venv), model, tmp, dtype, max_len)
     else:

@@ -9,7 +9,7 @@ import torch
 from peft import PeftModel
 
 from lora_compile import SamplingParams, Sequence
-from lora_compile.errors import AdapterInUseError, AdapterMixError
+from lora_compile.errors import AdapterInUseError, AdapterMixError, AdapterOutputError
 from lora_compile.lora.mixes import AdapterMix, make_mix, mix_problems
 from tests.checkpoints import greedy, load_reference, make_peft_adapter
 from tests.conftest import build_engine
@@ -144,3 +144,17 @@ def test_mix_names_are_canonical_and_checked():
     assert AdapterMix.parse(mix.name) == mix and AdapterMix.parse("pirate") is None
     assert [i for i, _ in mix_problems([("a", 1.0), ("a", 2.0), ("b/c", 1.0), ("d", float("nan"))])] == [1, 2, 3]
     assert mix_problems([(f"a{i}", 1.0) for i in range(9)])[0][1].startswith("at most 8 adapters")
+
+
+def test_a_failed_member_fails_its_mix_before_it_runs(models, adapters):
+    """A member found bad (non-finite at run time) refuses its mixes at once, even one already in a slot."""
+    engine = build_engine(models["llama"], adapters["llama"], compile=False)
+    mix = mix_name(PIRATE_ROBOT)
+    _admit_and_run(engine, PROMPTS[0], mix)
+    assert mix in engine.adapters.device_names() and engine.adapters.is_ready(mix)
+    engine.adapters.mark_failed("all4", AdapterOutputError("adapter 'all4' produces non-finite values"))
+    assert not engine.adapters.is_ready(mix)
+    with pytest.raises(AdapterOutputError, match="'all4' produces non-finite"):
+        engine.adapters.prefetch(mix)
+    with pytest.raises(AdapterOutputError):
+        engine.adapters.acquire(mix)

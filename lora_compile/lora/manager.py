@@ -173,6 +173,8 @@ class LoRAManager:
         mix = AdapterMix.parse(name)
         if mix is not None:
             with self._lock:
+                for member in mix.names:
+                    self._check_failed(member)
                 if name in self._slots.slot_of:
                     return None
                 futures = [f for f in map(self.prefetch, mix.names) if f is not None]
@@ -189,12 +191,14 @@ class LoRAManager:
     def is_ready(self, name: str | None) -> bool:
         """In host memory or a device slot, and not failed: admission needs no file read. A mix: in a slot, or
         every member ready."""
-        if not name or name in self._slots.slot_of:
+        if not name:
             return True
         mix = AdapterMix.parse(name)
-        if mix is not None:
-            return all(map(self.is_ready, mix.names))
-        return name not in self._quarantine and name in self._host
+        if mix is not None:  # a failed member fails the mix, even one in a slot (prefetch raises its error)
+            if any(m in self._quarantine for m in mix.names):
+                return False
+            return name in self._slots.slot_of or all(map(self.is_ready, mix.names))
+        return name not in self._quarantine and (name in self._host or name in self._slots.slot_of)
 
     def _on_loaded(self, result: LoadResult) -> None:
         """In the loader thread, before the load's future resolves."""
