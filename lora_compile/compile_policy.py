@@ -75,7 +75,7 @@ def _layer_variant(layer, x, *batch) -> int:
     between calls are whether the step carries adapters and the forms the layer's weights are held in (a GGUF's
     layers may differ: quantization.plan). Keying on them skips comparing each call's inputs against the first
     trace (seconds of every start)."""
-    return layer.form_key * 2 + int(ForwardBatch.flat_has_lora(batch))
+    return layer.form_key * 3 + ForwardBatch.flat_variant(batch)
 
 
 # torch 2.12 added reuse_hash_fn. Before it, Dynamo traces every layer's call and reuses identical graphs (slower
@@ -116,7 +116,8 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
     "auto": "masked" on CUDA (GEMMs over every slot, each token's own kept: each adapter's weights read once, on
     tensor cores, in three kernels a projection; 0.90-0.98x of the base model's decode with 8 adapters on an H100,
     against 0.70-0.74x for "grouped" and 0.53-0.56x for "indexed", and prefill within noise of base, with 8 slots:
-    docs/benchmarks.md); "indexed" on the CPU, where it beats GEMMs per adapter (python -m benchmarks.lora_layer).
+    docs/benchmarks.md); "indexed" on the CPU, where it beats GEMMs per adapter (python -m benchmarks.lora_layer),
+    in bfloat16 with long steps grouped (INDEXED_GROUPED: lora_grouped_prefill).
     "grouped" (torch's grouped GEMM over per-slot segments) compiles for bfloat16 only and needs ranks in multiples
     of 8; asked for on the CPU it also runs eagerly in any dtype (how the tests check it against peft)."""
     if requested in ("indexed", "masked"):  # plain reductions or GEMMs: any device and dtype
@@ -127,7 +128,24 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
                              f"(got {max_rank}) and, compiled, bfloat16 (got {dtype}): torch's grouped_mm compiles "
                              "for bfloat16 only")
         return "grouped"
-    return "masked" if device.type == "cuda" else "indexed"
+    if device.type == "cuda":
+        return "masked"
+    grouped_ok = dtype == torch.bfloat16 and max_rank % GROUPED_RANK_MULTIPLE == 0
+    return INDEXED_GROUPED if grouped_ok else "indexed"
+
+
+# The CPU's "auto" kernel in bfloat16: indexed, and grouped in steps of at least LORA_GROUPED_MIN_TOKENS tokens (a
+# prefill chunk's). There the indexed reductions cost a long prefill most: 8 x 1,000-token prompts with 8 distinct
+# adapters took 1.25x the base model's time indexed, 1.15x grouped, while decode steps with 8 adapters ran 2.2-2.8x
+# slower grouped (docs/benchmarks.md). The grouped kernel compiles for bfloat16 only, with ranks in multiples of 8.
+# ("indexed" asked for by name is indexed in every step.)
+INDEXED_GROUPED = "indexed+grouped"
+LORA_GROUPED_MIN_TOKENS = 256
+
+
+def lora_grouped_prefill(kernel: str) -> bool:
+    """Whether long steps take the grouped kernel (LoRABatch.derive per step) and short ones the indexed one."""
+    return kernel == INDEXED_GROUPED
 
 
 # The CPU's bfloat16 indexed expand reads B chunk-major in runs of this many outputs (LoRALinear.b_chunk): one
@@ -141,7 +159,7 @@ def lora_b_chunk(kernel: str, device: torch.device, dtype: torch.dtype, output_s
     shorter; in float32 1.005x and 1.035x, so float32 keeps rank rows: python -m benchmarks.lora_layer
     --engine-b-layout, docs/benchmarks.md); 0 (rank rows, outputs innermost) elsewhere: CUDA's kernels read B as
     GEMM operands."""
-    if (kernel != "indexed" or device.type != "cpu" or dtype != torch.bfloat16
+    if (kernel not in ("indexed", INDEXED_GROUPED) or device.type != "cpu" or dtype != torch.bfloat16
             or any(size % LORA_B_CHUNK for size in output_sizes)):
         return 0
     return LORA_B_CHUNK

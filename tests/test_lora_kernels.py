@@ -69,7 +69,11 @@ def test_masked_kernel_isolates_an_overflowing_slot():
 
 def test_kernel_policy():
     cpu, bf16, f32 = torch.device("cpu"), torch.bfloat16, torch.float32
-    assert compile_policy.lora_kernel("auto", cpu, bf16, 16, compiled=True) == "indexed"  # the CPU's form
+    # The CPU's form: indexed, with long steps grouped in bfloat16 (ranks in multiples of 8); by name, indexed only.
+    assert compile_policy.lora_kernel("auto", cpu, bf16, 16, compiled=True) == compile_policy.INDEXED_GROUPED
+    assert compile_policy.lora_kernel("auto", cpu, bf16, 12, compiled=True) == "indexed"
+    assert compile_policy.lora_kernel("auto", cpu, f32, 16, compiled=True) == "indexed"
+    assert compile_policy.lora_kernel("indexed", cpu, bf16, 16, compiled=True) == "indexed"
     assert compile_policy.lora_kernel("grouped", cpu, f32, 16, compiled=False) == "grouped"
     assert compile_policy.lora_kernel("grouped", cpu, bf16, 16, compiled=True) == "grouped"
     with pytest.raises(ValueError, match="bfloat16"):
@@ -80,6 +84,7 @@ def test_kernel_policy():
     # B chunk-major for the CPU's indexed kernel in bfloat16 only, where every slice divides into chunks.
     sizes, chunk = (576, 192, 192), compile_policy.LORA_B_CHUNK
     assert compile_policy.lora_b_chunk("indexed", cpu, bf16, sizes) == chunk
+    assert compile_policy.lora_b_chunk(compile_policy.INDEXED_GROUPED, cpu, bf16, sizes) == chunk
     assert compile_policy.lora_b_chunk("indexed", cpu, f32, sizes) == 0
     assert compile_policy.lora_b_chunk("indexed", cpu, bf16, (576, 200, 200)) == 0
     assert compile_policy.lora_b_chunk("indexed", torch.device("cuda"), bf16, sizes) == 0

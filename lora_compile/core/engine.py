@@ -184,7 +184,10 @@ class Engine:
     # --- one step -----------------------------------------------------------------------------------
     def _forward_batch(self, inputs: StepInputs) -> ForwardBatch:
         pos = inputs.positions  # rotary tables gathered by position, on the device
-        return ForwardBatch(cos=self.rope_cos[pos], sin=self.rope_sin[pos], attn=inputs.attn, lora=inputs.lora)
+        lora, grouped_from = inputs.lora, self.model.lora_grouped_from
+        if grouped_from and lora.weight_indices is not None and lora.weight_indices.shape[0] >= grouped_from:
+            lora = lora.derive("grouped", self.config.max_loras_per_batch + 1)  # (a long prefill: graph variant 2)
+        return ForwardBatch(cos=self.rope_cos[pos], sin=self.rope_sin[pos], attn=inputs.attn, lora=lora)
 
     def _hidden_states(self, inputs: StepInputs) -> torch.Tensor:
         """The forward up to the last hidden states, on device tensors only: what a CUDA graph records."""
@@ -320,15 +323,19 @@ class Engine:
 
     # --- warm-up ------------------------------------------------------------------------------------
     def warmup(self) -> float:
-        """Compile both graph variants, base model only and with adapters, on throwaway sequences that write only to
-        the null KV block: decodes and prefill chunks, so every dynamic dim is traced at a size >= 2."""
+        """Compile every graph variant (base model only, adapters, and adapters over segments where long steps take
+        grouped LoRA) on throwaway sequences that write only to the null KV block: decodes and prefill chunks, so
+        every dynamic dim is traced at a size >= 2."""
         t0 = time.perf_counter()
         if self._compiled and not self._warmed_up:
             max_tokens = self.config.max_num_batched_tokens
             lengths = [1, 1, 1, min(5, max_tokens // 4), min(7, max_tokens // 3)]
-            # The adapter variant is one graph for any mix of slots: slot 1 (zeros or a registered adapter) beside
-            # base-model tokens covers it.
-            for slots in ([0, 0, 0, 0, 0], [1, 0, 1, 0, 1]):
+            # An adapter variant is one graph for any mix of slots: slot 1 (zeros or an adapter) beside base tokens.
+            variants = [(lengths, [0, 0, 0, 0, 0]), (lengths, [1, 0, 1, 0, 1])]
+            grouped_from = self.model.lora_grouped_from
+            if grouped_from and grouped_from + 3 <= max_tokens:  # long prefill steps' grouped LoRA: a third graph
+                variants.append(([1, 2, grouped_from], [1, 0, 1]))
+            for lengths, slots in variants:
                 seqs = []
                 for i, (n, slot) in enumerate(zip(lengths, slots)):
                     seq = Sequence(-1 - i, list(range(1, n + 1)), SamplingParams(max_new_tokens=1))

@@ -30,7 +30,8 @@ from ..model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("base", "lora")  # a step without adapters / with adapters (weight_indices None or not)
+# A step without adapters / with adapters / with adapters over per-slot segments (ForwardBatch.flat_variant).
+VARIANTS = ("base", "lora", "lora-grouped")
 
 
 class RecompileError(RuntimeError):
@@ -92,7 +93,7 @@ class PrecompiledStack:
                                  f"{tuple(self._width)}; this step has {h.dtype} and {tuple(h.shape[1:])} "
                                  "(would recompile)")
         batch = fb.flat()
-        variant = VARIANTS[ForwardBatch.flat_has_lora(batch)]
+        variant = VARIANTS[ForwardBatch.flat_variant(batch)]
         fn = self._fns.get(variant) or self._load_or_compile(variant, h, fb)
         try:
             return fn(self.model, h, *batch)

@@ -58,6 +58,7 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
                       block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS,
                       b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes),
+                      grouped_b=compile_policy.lora_grouped_prefill(lora_kernel),
                       quant=form.kind, group_size=form.group_size)
 
 
@@ -243,6 +244,9 @@ def _with_derived(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
     return fb
 
 
+_SLOT_BUFFERS = ("lora_a_stack", "lora_b", "lora_b_grouped", "dora_scale")  # a LoRALinear's per-slot constants
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device, lora_kernel: str = "indexed",
                  attention_backend: str = "inductor", forms: list[dict[str, quantization.WeightForm]] | None = None,
@@ -252,7 +256,10 @@ class CausalLM(nn.Module):
         self.config = cfg
         # Each layer's path -> quantization.WeightForm (quantization.plan; part of the saved stack's key).
         self.weight_forms = [dict(f) for f in forms] if forms else [{} for _ in range(cfg.num_hidden_layers)]
-        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "grouped" or "masked"
+        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "indexed+grouped", "grouped", "masked"
+        # Steps of at least this many tokens take the grouped kernel instead (0: never; lora_grouped_prefill).
+        self.lora_grouped_from = (compile_policy.LORA_GROUPED_MIN_TOKENS
+                                  if compile_policy.lora_grouped_prefill(lora_kernel) else 0)
         self.attention_backend = attention_backend  # compile_policy.attention_backend: "inductor" or "sdpa"
         self.prefill_backend = prefill_backend or attention_backend  # compile_policy.prefill_attention_backend
         self.dtype = dtype
@@ -312,7 +319,7 @@ class CausalLM(nn.Module):
 
     def memory_bytes(self) -> dict[str, int]:
         """What the model holds, by kind, for the start log: "weights" (one copy of each base weight, in its form),
-        "packed" (oneDNN's second copies, prepack_weights), "adapters" (the device slots' A and B); the KV cache apart."""
+        "packed" (oneDNN's second copies, prepack_weights), "adapters" (the device slots' constants); the KV cache apart."""
         held = {"weights": 0, "packed": 0, "adapters": 0}
         seen: set[int] = set()  # (a tied head is the embeddings' tensor)
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
@@ -321,7 +328,7 @@ class CausalLM(nn.Module):
                 continue
             seen.add(id(t))
             kind = ("packed" if leaf in ("weight_packed", "lm_head_packed")
-                    else "adapters" if leaf in ("lora_a_stack", "lora_b") else "weights")
+                    else "adapters" if leaf in _SLOT_BUFFERS else "weights")
             held[kind] += t.numel() * t.element_size()
         return held
 

@@ -104,9 +104,12 @@ class ForwardBatch:
         return cls(cos, sin, AttentionMetadata(*rest[:_NUM_ATTN]), LoRABatch(*rest[_NUM_ATTN:]), compiled)
 
     @staticmethod
-    def flat_has_lora(flat: tuple[torch.Tensor | None, ...]) -> bool:
-        """Whether a flat() batch carries adapters: which graph variant it runs."""
-        return flat[_WEIGHT_INDICES] is not None
+    def flat_variant(flat: tuple[torch.Tensor | None, ...]) -> int:
+        """Which graph variant a flat() batch runs: 0 no adapters, 1 adapters, 2 adapters over segments (the
+        grouped kernel's LoRABatch.derive fields present)."""
+        if flat[_WEIGHT_INDICES] is None:
+            return 0
+        return 2 if flat[_SEGMENT_OFFSETS] is not None else 1
 
     def dynamic_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """Each tensor present with its step-varying dims, as declared on its field."""
@@ -119,6 +122,7 @@ _ATTN_NAMES = tuple(f.name for f in fields(AttentionMetadata))
 _LORA_NAMES = tuple(f.name for f in fields(LoRABatch))
 _NUM_ATTN = len(_ATTN_NAMES)
 _WEIGHT_INDICES = 2 + _NUM_ATTN
+_SEGMENT_OFFSETS = _WEIGHT_INDICES + _LORA_NAMES.index("segment_offsets")
 # The declared dynamic dims of each flat() entry, in flat() order: cos and sin, attention, LoRA.
 _FLAT_DYNAMIC_DIMS = tuple(
     f.metadata.get("dynamic_dims", ())

@@ -118,6 +118,7 @@ class LoRALinear(nn.Module):
         b_chunk: int = 0,
         quant: str = "none",
         group_size: int = 0,
+        grouped_b: bool = False,
     ):
         super().__init__()
         self.output_sizes = tuple(output_sizes)  # the one table every slice of this layer derives from
@@ -159,6 +160,11 @@ class LoRALinear(nn.Module):
         self.b_chunk = b_chunk
         b_shape = (out_features // b_chunk, b_rows, b_chunk) if b_chunk else (b_rows, out_features)
         self.register_buffer("lora_b", torch.zeros(n_stored, *b_shape, dtype=dtype, device=device), persistent=False)
+        # With `grouped_b` (compile_policy.lora_grouped_prefill: the CPU's long prefill steps run grouped GEMMs, its
+        # decode steps the indexed kernel over lora_b) a second copy of each slot's B, block-diagonal, (c·max_rank,
+        # out): the grouped kernel's operand, written beside lora_b at every slot load.
+        self.register_buffer("lora_b_grouped", torch.zeros(n_stored, self.slot_rows, out_features, dtype=dtype,
+                                                           device=device) if grouped_b else None, persistent=False)
         # DoRA: each slot's per-output rescale g = magnitude / ||W + B·A|| (row norms), computed when the slot is
         # loaded; 1 for plain LoRA slots and the base model's slot 0, where the forward then computes exactly what
         # it computes without DoRA (forward).
@@ -272,6 +278,9 @@ class LoRALinear(nn.Module):
             a_rows[i * self.max_rank : i * self.max_rank + r].copy_(a_part)
             b_slice = self._b_slice(slot, i)[:r]
             b_slice.copy_(b_part.T.reshape(b_slice.shape))
+            if self.lora_b_grouped is not None:
+                start, end = self._slices[i]
+                self.lora_b_grouped[slot, i * self.max_rank:i * self.max_rank + r, start:end].copy_(b_part.T)
             if magnitudes is not None and magnitudes[i] is not None:
                 self._load_dora_scale(slot, i, a_part, b_part, magnitudes[i])
 
@@ -293,6 +302,8 @@ class LoRALinear(nn.Module):
     def clear_slot(self, slot: int) -> None:
         self.lora_a(slot).zero_()
         self.lora_b[slot].zero_()
+        if self.lora_b_grouped is not None:
+            self.lora_b_grouped[slot].zero_()
         self.dora_scale[slot].fill_(1)
 
 
@@ -326,7 +337,8 @@ def _expand_chunk_major(layer: LoRALinear, shrink: torch.Tensor, weight_indices:
 
 
 def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-    """CUDA (bf16): tokens sorted by slot (lora.token_order) form one segment per slot, whose ends
+    """CUDA (bf16), and the CPU's long prefill steps in bf16 (lora_b_grouped): tokens sorted by slot
+    (lora.token_order) form one segment per slot, whose ends
     (lora.segment_offsets) stay on the device; shrink and expand are grouped GEMMs over the segments, as SGLang's
     csgmv and Punica's SGMV group them: each slot's A and B read once a step, on tensor cores, with no host sync.
     Slot 0 (base-model tokens, zero rows) is a segment too: its product is exactly zero. torch's grouped_mm takes
@@ -334,7 +346,8 @@ def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch) -> 
     (block_diagonal_b), so one expand serves every slice."""
     xs = x[lora.token_order]
     shrink = torch._grouped_mm(xs, layer.lora_a_stack.transpose(1, 2), offs=lora.segment_offsets)  # (T, c*r)
-    delta = torch._grouped_mm(shrink, layer.lora_b, offs=lora.segment_offsets)  # (T, out)
+    b = layer.lora_b if layer.lora_b_grouped is None else layer.lora_b_grouped
+    delta = torch._grouped_mm(shrink, b, offs=lora.segment_offsets)  # (T, out)
     return delta[lora.token_inverse]  # back to the step's token order (a gather Inductor fuses into the add)
 
 
