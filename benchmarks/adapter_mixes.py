@@ -29,7 +29,7 @@ from benchmarks.common import (
     sized_checkpoint,
     write_lora_adapters,
 )
-from benchmarks.lora import load_peft
+from benchmarks.lora import load_peft, peft_step_time
 from lora_compile import Engine, EngineConfig
 from lora_compile.lora.mixes import AdapterMix
 
@@ -55,21 +55,6 @@ def slot_load_ms(engine: Engine, names: list[str], rounds: int) -> float:
             assert loaded
             engine.adapters.release(slot)
     return statistics.median(times)
-
-
-def peft_mix_step_time(model, mix_names: list[str], batch: int, steps: int, prompt_len: int = 64) -> float:
-    ids = torch.tensor([[(7 * i + j) % 500 + 3 for j in range(prompt_len)] for i in range(batch)])
-    rows = [mix_names[i % len(mix_names)] for i in range(batch)]
-
-    @torch.inference_mode()
-    def run(n: int) -> float:
-        t0 = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=0, adapter_names=rows)
-        return time.perf_counter() - t0
-
-    run(4)
-    return (run(4 + steps) - run(4)) / steps
 
 
 def main() -> None:
@@ -112,7 +97,8 @@ def main() -> None:
                 "mixes": lambda: decode_step_time(engine, b, mixed, args.steps)[0],
             }
             if peft is not None:
-                measures["peft"] = lambda: peft_mix_step_time(peft, [f"m{i}" for i in range(N_SLOTS)], b, args.steps)
+                measures["peft"] = lambda: peft_step_time(peft, N_SLOTS, b, args.steps,
+                                                          adapters=[f"m{i}" for i in range(N_SLOTS)])
             t = interleaved(measures, args.rounds)
             t_peft = t.get("peft", float("nan"))
             print(fmt_row((b, f"{b / t['base']:.1f}", f"{b / t['singles']:.1f}", f"{b / t['mixes']:.1f}",

@@ -42,9 +42,13 @@ def load_peft(model_dir: Path, adapter_dirs: list[Path]):
 
 
 @torch.inference_mode()
-def peft_step_time(model, n_adapters: int, batch: int, steps: int, prompt_len: int = 64) -> float:
+def peft_step_time(model, n_adapters: int, batch: int, steps: int, prompt_len: int = 64,
+                   adapters: list[str] | None = None) -> float:
+    """Seconds per decode step of peft's generate, rows taking the adapters round-robin (`adapters`: these names,
+    else a0..a{n_adapters-1})."""
     ids = torch.tensor([[(7 * i + j) % 500 + 3 for j in range(prompt_len)] for i in range(batch)])
-    names = [f"a{i % n_adapters}" for i in range(batch)]
+    adapters = adapters or [f"a{i}" for i in range(n_adapters)]
+    names = [adapters[i % len(adapters)] for i in range(batch)]
 
     def run(n: int) -> float:
         t0 = time.perf_counter()

@@ -158,3 +158,26 @@ def test_a_failed_member_fails_its_mix_before_it_runs(models, adapters):
         engine.adapters.prefetch(mix)
     with pytest.raises(AdapterOutputError):
         engine.adapters.acquire(mix)
+
+
+def test_every_form_in_one_step_matches_peft(models, adapters, tmp_path):
+    """The base model, a plain adapter, a mix, an activated LoRA and a DoRA adapter, all in the same steps: each
+    sequence's greedy tokens and logits are PEFT's for its own form."""
+    base = models["llama"]
+    dirs = dict(adapters["llama"])
+    dirs["checker"] = make_peft_adapter(base, tmp_path / "checker", r=8, lora_alpha=16, seed=31,
+                                        alora_invocation_tokens=(77, 78, 79))
+    dirs["dora"] = make_peft_adapter(base, tmp_path / "dora", r=8, lora_alpha=16, seed=21, use_dora=True,
+                                     target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
+    engine = build_engine(base, dirs, compile=False, max_loras_per_batch=4)
+    invoked = PROMPTS[2][:20] + [77, 78, 79] + PROMPTS[2][20:]  # the activated adapter acts from position 20 on
+    specs = [None, "qv8", PIRATE_ROBOT, "checker", "dora"]
+    names = [s if s is None or isinstance(s, str) else mix_name(s) for s in specs]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], invoked, PROMPTS[0]]
+    tokens, logits = run_joining(engine, prompts, adapters=names, join_at=[0, 0, 0, 0, 0])
+    for i, spec in enumerate(specs):
+        ref_tokens, ref_logits = reference(base, prompts[i], dirs, spec)
+        assert len(set(ref_tokens)) > 4, "degenerate reference: the test would prove nothing"
+        assert tokens[i] == ref_tokens, f"sequence {i} ({names[i]}) differs from PEFT's"
+        torch.testing.assert_close(logits[i], ref_logits, atol=2e-3, rtol=1e-3)
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
