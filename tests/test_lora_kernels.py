@@ -51,7 +51,10 @@ def test_kernels_equal_per_adapter_gemms(indices):
     assert torch.equal(idx[lora.token_order], idx.sort(stable=True).values)
     masks = LoRABatch(idx).derive("masked", block.max_loras + 1).slot_mask
     assert masks.sum(1).eq(1).all() and masks.int().argmax(1).tolist() == indices
-    for delta in (_lora_delta_grouped(block, x, lora), _lora_delta_masked(block, x, masks)):
+    # The CPU's long steps (INDEXED_GROUPED): the grouped shrink over the compact B's layer, then the step's own
+    # expand (indexed compiled, per adapter eager).
+    grouped_shrinks = [_lora_delta_grouped(compact, x, lora, compiled) for compiled in (True, False)]
+    for delta in (_lora_delta_grouped(block, x, lora), _lora_delta_masked(block, x, masks), *grouped_shrinks):
         torch.testing.assert_close(delta, reference, atol=1e-5, rtol=1e-5)
         assert (delta[idx == 0] == 0).all()
 

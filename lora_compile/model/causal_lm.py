@@ -58,7 +58,6 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
                       block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS,
                       b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes),
-                      grouped_b=compile_policy.lora_grouped_prefill(lora_kernel),
                       quant=form.kind, group_size=form.group_size)
 
 
@@ -244,7 +243,7 @@ def _with_derived(model: CausalLM, fb: ForwardBatch) -> ForwardBatch:
     return fb
 
 
-_SLOT_BUFFERS = ("lora_a_stack", "lora_b", "lora_b_grouped", "dora_scale")  # a LoRALinear's per-slot constants
+_SLOT_BUFFERS = ("lora_a_stack", "lora_b", "dora_scale")  # a LoRALinear's per-slot constants
 
 
 class CausalLM(nn.Module):

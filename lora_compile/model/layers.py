@@ -118,7 +118,6 @@ class LoRALinear(nn.Module):
         b_chunk: int = 0,
         quant: str = "none",
         group_size: int = 0,
-        grouped_b: bool = False,
     ):
         super().__init__()
         self.output_sizes = tuple(output_sizes)  # the one table every slice of this layer derives from
@@ -160,11 +159,6 @@ class LoRALinear(nn.Module):
         self.b_chunk = b_chunk
         b_shape = (out_features // b_chunk, b_rows, b_chunk) if b_chunk else (b_rows, out_features)
         self.register_buffer("lora_b", torch.zeros(n_stored, *b_shape, dtype=dtype, device=device), persistent=False)
-        # With `grouped_b` (compile_policy.lora_grouped_prefill: the CPU's long prefill steps run grouped GEMMs, its
-        # decode steps the indexed kernel over lora_b) a second copy of each slot's B, block-diagonal, (c·max_rank,
-        # out): the grouped kernel's operand, written beside lora_b at every slot load.
-        self.register_buffer("lora_b_grouped", torch.zeros(n_stored, self.slot_rows, out_features, dtype=dtype,
-                                                           device=device) if grouped_b else None, persistent=False)
         # DoRA: each slot's per-output rescale g = magnitude / ||W + B·A|| (row norms), computed when the slot is
         # loaded; 1 for plain LoRA slots and the base model's slot 0, where the forward then computes exactly what
         # it computes without DoRA (forward).
@@ -247,7 +241,7 @@ class LoRALinear(nn.Module):
         if lora.weight_indices is None:  # base-model-only step: its own graph, with no LoRA work at all
             return self._biased(base)
         if lora.segment_offsets is not None:
-            delta = _lora_delta_grouped(self, x, lora)
+            delta = _lora_delta_grouped(self, x, lora, compiled)
         elif lora.slot_mask is not None:
             delta = _lora_delta_masked(self, x, lora.slot_mask)
         else:
@@ -278,9 +272,6 @@ class LoRALinear(nn.Module):
             a_rows[i * self.max_rank : i * self.max_rank + r].copy_(a_part)
             b_slice = self._b_slice(slot, i)[:r]
             b_slice.copy_(b_part.T.reshape(b_slice.shape))
-            if self.lora_b_grouped is not None:
-                start, end = self._slices[i]
-                self.lora_b_grouped[slot, i * self.max_rank:i * self.max_rank + r, start:end].copy_(b_part.T)
             if magnitudes is not None and magnitudes[i] is not None:
                 self._load_dora_scale(slot, i, a_part, b_part, magnitudes[i])
 
@@ -302,8 +293,6 @@ class LoRALinear(nn.Module):
     def clear_slot(self, slot: int) -> None:
         self.lora_a(slot).zero_()
         self.lora_b[slot].zero_()
-        if self.lora_b_grouped is not None:
-            self.lora_b_grouped[slot].zero_()
         self.dora_scale[slot].fill_(1)
 
 
@@ -315,12 +304,17 @@ def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torc
     single adapter the GEMM form was cheaper (LoRA 2% of the layer against 6%); with 8 adapters this is 6x cheaper."""
     tokens, c, r = x.shape[0], len(layer.output_sizes), layer.max_rank
     shrink = (x[:, None, :] * layer.lora_a_stack[weight_indices]).sum(-1).view(tokens, c, r)
+    return _expand_indexed(layer, shrink, weight_indices)
+
+
+def _expand_indexed(layer: LoRALinear, shrink: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
+    """The indexed expand of each token's shrink (T, c, r) through its own slot's B, compact or chunk-major."""
     if layer.b_chunk:
         return _expand_chunk_major(layer, shrink, weight_indices)
     b = layer.lora_b[weight_indices]  # (T, r, out): indexing, fused into the reduction below
     deltas = [(shrink[:, i, :, None] * b[:, layer.b_rows(i), start:end]).sum(1)
               for i, (start, end) in enumerate(layer._slices)]
-    return deltas[0] if c == 1 else torch.cat(deltas, dim=-1)
+    return deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
 
 
 def _expand_chunk_major(layer: LoRALinear, shrink: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
@@ -336,18 +330,27 @@ def _expand_chunk_major(layer: LoRALinear, shrink: torch.Tensor, weight_indices:
     return delta.transpose(0, 1).reshape(tokens, layer.out_features)
 
 
-def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-    """CUDA (bf16), and the CPU's long prefill steps in bf16 (lora_b_grouped): tokens sorted by slot
-    (lora.token_order) form one segment per slot, whose ends
+def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch, compiled: bool = False) -> torch.Tensor:
+    """CUDA (bf16): tokens sorted by slot (lora.token_order) form one segment per slot, whose ends
     (lora.segment_offsets) stay on the device; shrink and expand are grouped GEMMs over the segments, as SGLang's
     csgmv and Punica's SGMV group them: each slot's A and B read once a step, on tensor cores, with no host sync.
     Slot 0 (base-model tokens, zero rows) is a segment too: its product is exactly zero. torch's grouped_mm takes
     a 2D left operand split by offsets and a 3D right operand, one matrix per group; B is block-diagonal
-    (block_diagonal_b), so one expand serves every slice."""
+    (block_diagonal_b), so one expand serves every slice.
+
+    The CPU's long steps in bfloat16 (compile_policy.INDEXED_GROUPED) take the grouped shrink only: B stays in the
+    indexed kernel's layout (no second copy), and the expand is the step's own (indexed compiled, per adapter
+    eager). The shrink is most of what the indexed form costs a long chunk (x against c·r rows of A per token):
+    8 x 1,000-token prompts with 8 adapters took 1.15x the base's time this way, as with a grouped expand too."""
     xs = x[lora.token_order]
     shrink = torch._grouped_mm(xs, layer.lora_a_stack.transpose(1, 2), offs=lora.segment_offsets)  # (T, c*r)
-    b = layer.lora_b if layer.lora_b_grouped is None else layer.lora_b_grouped
-    delta = torch._grouped_mm(shrink, b, offs=lora.segment_offsets)  # (T, out)
+    if not layer.block_diagonal_b:
+        shrink = shrink[lora.token_inverse]
+        if compiled:
+            return _expand_indexed(layer, shrink.view(x.shape[0], len(layer.output_sizes), layer.max_rank),
+                                   lora.weight_indices)
+        return _expand_segmented(layer, shrink, lora.weight_indices)
+    delta = torch._grouped_mm(shrink, layer.lora_b, offs=lora.segment_offsets)  # (T, out)
     return delta[lora.token_inverse]  # back to the step's token order (a gather Inductor fuses into the add)
 
 
@@ -367,14 +370,22 @@ def _lora_delta_masked(layer: LoRALinear, x: torch.Tensor, slot_mask: torch.Tens
 def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
     """Eager: one GEMM pair per adapter in the step over its own tokens. (Eager would materialise the indexed
     form's per-token weights; this reads the distinct slots on the host, which only eager may do.)"""
+    return _expand_segmented(layer, None, weight_indices, x)
+
+
+def _expand_segmented(layer: LoRALinear, shrink: torch.Tensor | None, weight_indices: torch.Tensor,
+                      x: torch.Tensor | None = None) -> torch.Tensor:
+    """Eager, per adapter in the step: its tokens' shrink (given, (T, c·r), or made here from x) through its B."""
     c, r = len(layer.output_sizes), layer.max_rank
-    delta = x.new_zeros(x.shape[0], layer.out_features)
+    rows_of_all = shrink if shrink is not None else x
+    delta = rows_of_all.new_zeros(rows_of_all.shape[0], layer.out_features)
     for index in weight_indices.unique().tolist():
         if index == 0:  # base-model tokens: zero rows
             continue
         rows = (weight_indices == index).nonzero().squeeze(1)
-        shrink = F.linear(x[rows], layer.lora_a_stack[index]).view(-1, c, r)
+        own = shrink[rows] if shrink is not None else F.linear(x[rows], layer.lora_a_stack[index])
+        own = own.view(-1, c, r)
         b = layer.b_matrix(index)
-        delta[rows] = torch.cat([shrink[:, i] @ b[layer.b_rows(i), start:end] for i, (start, end) in enumerate(layer._slices)],
+        delta[rows] = torch.cat([own[:, i] @ b[layer.b_rows(i), start:end] for i, (start, end) in enumerate(layer._slices)],
                                 dim=-1)
     return delta
