@@ -134,10 +134,10 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
     return INDEXED_GROUPED if grouped_ok else "indexed"
 
 
-# The CPU's "auto" kernel in bfloat16: indexed, and grouped in steps of at least LORA_GROUPED_MIN_TOKENS tokens (a
-# prefill chunk's). There the indexed reductions cost a long prefill most: 8 x 1,000-token prompts with 8 distinct
-# adapters took 1.25x the base model's time indexed, 1.15x grouped, while decode steps with 8 adapters ran 2.2-2.8x
-# slower grouped (docs/benchmarks.md). The grouped kernel compiles for bfloat16 only, with ranks in multiples of 8.
+# The CPU's "auto" kernel in bfloat16: indexed, with the shrink grouped in steps of at least LORA_GROUPED_MIN_TOKENS
+# tokens (a prefill chunk's), where the indexed reductions cost most: 8 x 1,000-token prompts with 8 distinct adapters
+# took 1.34x the base model's time indexed, 1.25x so (layers._lora_delta_grouped), while decode steps with 8 adapters
+# ran 2.2-2.8x slower grouped (docs/benchmarks.md). Grouped GEMMs compile for bfloat16 only, ranks in multiples of 8.
 # ("indexed" asked for by name is indexed in every step.)
 INDEXED_GROUPED = "indexed+grouped"
 LORA_GROUPED_MIN_TOKENS = 256

@@ -340,8 +340,8 @@ def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch, com
 
     The CPU's long steps in bfloat16 (compile_policy.INDEXED_GROUPED) take the grouped shrink only: B stays in the
     indexed kernel's layout (no second copy), and the expand is the step's own (indexed compiled, per adapter
-    eager). The shrink is most of what the indexed form costs a long chunk (x against c·r rows of A per token):
-    8 x 1,000-token prompts with 8 adapters took 1.15x the base's time this way, as with a grouped expand too."""
+    eager): 8 x 1,000-token prompts with 8 adapters took 1.25x the base's time, against 1.34x indexed. A grouped
+    expand too, over a block-diagonal second copy of B, took 1.15x, at twice the slots' memory (docs/benchmarks.md)."""
     xs = x[lora.token_order]
     shrink = torch._grouped_mm(xs, layer.lora_a_stack.transpose(1, 2), offs=lora.segment_offsets)  # (T, c*r)
     if not layer.block_diagonal_b:
