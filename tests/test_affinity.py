@@ -73,7 +73,7 @@ def test_sdk_sends_the_header_and_reports_the_replica(served):
         chunks = list(client.generate("Once upon a time", max_new_tokens=2))
     assert done.replica_id == REPLICA and done.usage.completion_tokens == 3
     assert {c.replica_id for c in chunks} == {REPLICA}
-    from service.client.sdk import generate_metadata
+    from service.client.requests import generate_metadata
     assert generate_metadata((("authorization", "Bearer t"),), {"adapter": "poet"}) == (
         ("authorization", "Bearer t"), (ADAPTER_ID_HEADER, "poet"))
     assert generate_metadata(None, {}) == ((ADAPTER_ID_HEADER, ""),)
@@ -109,7 +109,7 @@ def test_header_problem_rules():
 def test_sdk_sends_no_header_for_a_name_no_header_can_carry():
     """A name with a control or non-ASCII character gets no x-adapter-id (grpc would refuse the metadata on the
     client's side, as INTERNAL): the server judges the name and answers INVALID_ARGUMENT itself."""
-    from service.client.sdk import generate_metadata
+    from service.client.requests import generate_metadata
 
     assert generate_metadata(None, {"adapter": "pirate"}) == ((ADAPTER_ID_HEADER, "pirate"),)
     assert generate_metadata(None, {}) == ((ADAPTER_ID_HEADER, ""),)

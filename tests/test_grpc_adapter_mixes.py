@@ -14,7 +14,7 @@ import pytest
 from service._proto import pb, pb_grpc
 from service.affinity import ADAPTER_ID_HEADER
 from service.client import InvalidArgumentError, NotFoundError, from_rpc_error
-from service.client.sdk import build_generate_request, generate_metadata
+from service.client.requests import build_generate_request, generate_metadata
 from service.server import ServerConfig
 from tests.checkpoints import make_peft_adapter
 from tests.service_harness import ServerThread, build_engine
