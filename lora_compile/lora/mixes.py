@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +56,10 @@ class AdapterMix:
         return AdapterMix(tuple(members))
 
 
-def mix_problems(members: list[tuple[str, float]]) -> list[tuple[int | None, str]]:
+def mix_problems(members: Sequence[tuple[str, float]]) -> list[tuple[int | None, str]]:
     """What is wrong with a requested mix: (member index or None for the whole list, message) pairs, in our
-    words. Checks names against the one rule, weights, duplicates and the member count (not ranks: mix_rank)."""
+    words. Checks the member count first (a longer list is not read), then names against the one rule, weights and
+    duplicates (not ranks: check_members)."""
     if len(members) > MAX_MIX_ADAPTERS:
         return [(None, f"at most {MAX_MIX_ADAPTERS} adapters in one mix, got {len(members)}")]
     problems: list[tuple[int | None, str]] = []

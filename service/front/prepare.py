@@ -17,7 +17,7 @@ from typing import Protocol
 
 from lora_compile import SamplingParams
 from lora_compile.errors import AdapterMixError, AdapterNameError, AdapterPathError
-from lora_compile.lora.mixes import MAX_MIX_ADAPTERS, AdapterMix, make_mix, mix_problems
+from lora_compile.lora.mixes import AdapterMix, make_mix, mix_problems
 from lora_compile.sample.sampling import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -190,15 +190,10 @@ def _adapter(params: GenerateParams, bad: list[FieldViolation]) -> str | None:
         bad.append(FieldViolation(name("adapters"), f"name the adapters either here or as the model "
                                                     f"({params.adapter!r}), not both"))
         return None
-    if len(params.adapters) > MAX_MIX_ADAPTERS:  # (refused as a whole, not walked)
-        bad.append(FieldViolation(name("adapters"), f"at most {MAX_MIX_ADAPTERS} adapters in one mix, got "
-                                                    f"{len(params.adapters)}"))
-        return None
-    members = list(params.adapters)
-    problems = mix_problems(members)
+    problems = mix_problems(params.adapters)  # (an oversized list is refused by its length, not walked)
     for index, problem in problems:
         bad.append(FieldViolation(name("adapters", index), problem))
-    mix = None if problems else make_mix(members)
+    mix = None if problems else make_mix(list(params.adapters))
     return mix.name if mix is not None else None
 
 
