@@ -70,10 +70,10 @@ def test_native_bf16_follows_the_cpu_flags_not_onednn(monkeypatch):
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
 
 
-def _grouped_engine(models, adapters, compile: bool):
+def _grouped_engine(models, adapters, compile: bool, **limits):
     engine = Engine(EngineConfig(model=str(models["llama"]), compile=compile,
-                                 **(ENGINE_LIMITS | {"dtype": "bfloat16"})))
-    assert engine.model.lora_grouped_from == 8
+                                 **(ENGINE_LIMITS | {"dtype": "bfloat16"} | limits)))
+    assert engine.model.lora_grouped_from == compile_policy.LORA_GROUPED_MIN_TOKENS
     for name, path in adapters["llama"].items():
         engine.adapters.register(name, str(path))
     engine.warmup()
@@ -109,11 +109,12 @@ def test_long_steps_take_grouped_lora_and_agree_with_transformers(models, adapte
 def test_grouped_prefill_compiles_into_a_third_graph(models, adapters, monkeypatch):
     """Compiled, warm-up traces the grouped variant too: the steps after it never recompile (the engine fails on
     one), and the grouped prefill's logits are the eager engine's within bfloat16 rounding (the compiled kernels
-    sum in another order: the bound is 0.5 on logits of magnitude ~12, with the same greedy token)."""
-    monkeypatch.setattr(compile_policy, "LORA_GROUPED_MIN_TOKENS", 8)
+    sum in another order: the bound is 0.5 on logits of magnitude ~12, with the same greedy token). The threshold
+    (the two prompts' 14 tokens) exceeds max_seq_len here, so warm-up's long step is several prompts."""
+    monkeypatch.setattr(compile_policy, "LORA_GROUPED_MIN_TOKENS", 2 * len(PROMPT))
     logits = []
     for compile in (False, True):
-        engine = _grouped_engine(models, adapters, compile)
+        engine = _grouped_engine(models, adapters, compile, max_seq_len=len(PROMPT) + 5)
         steps = _record_steps(engine, monkeypatch)
         seqs = [Sequence(i, PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), n) for i, n in enumerate(NAMES)]
         for seq in seqs:

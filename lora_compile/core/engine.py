@@ -334,7 +334,11 @@ class Engine:
             variants = [(lengths, [0, 0, 0, 0, 0]), (lengths, [1, 0, 1, 0, 1])]
             grouped_from = self.model.lora_grouped_from
             if grouped_from and grouped_from + 3 <= max_tokens:  # long prefill steps' grouped LoRA: a third graph
-                variants.append(([1, 2, grouped_from], [1, 0, 1]))
+                # (a prompt holds at most max_seq_len tokens: a longer step is several prompts)
+                long = [min(self.config.max_seq_len, grouped_from - done)
+                        for done in range(0, grouped_from, self.config.max_seq_len)]
+                if len(long) <= self.config.max_num_seqs:  # (else no step reaches grouped_from tokens)
+                    variants.append(([1, 2, *long], [1, 0, *[1] * len(long)]))
             for lengths, slots in variants:
                 seqs = []
                 for i, (n, slot) in enumerate(zip(lengths, slots)):
