@@ -252,6 +252,15 @@ def test_the_saved_stack_key_follows_what_shapes_the_graph(models, monkeypatch):
     assert len({base, *changed}) == len(changed) + 1
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # what Inductor writes its CPU kernels for: scalar code
     assert key() != base
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert key() == base
+    # The engine's source, sub-packages included: an upgrade that changes how a layer computes never loads the
+    # stack saved by the old code (a key over lora_compile/core alone did).
+    read_bytes = Path.read_bytes
+    for module in ("model/quantization/kernels.py", "model/layers.py", "core/engine.py"):
+        monkeypatch.setattr(Path, "read_bytes", lambda path, m=module: read_bytes(path) + (
+            b"#" if path.as_posix().endswith("lora_compile/" + m) else b""))
+        assert key() != base, module
 
 
 @pytest.mark.parametrize("attention", ["inductor", "sdpa"])

@@ -6,7 +6,7 @@ the traced frame, its guards and its compiled code in one file; loading both tak
 most of it importing Inductor's runtime, which a traced start pays too (docs/benchmarks.md).
 
 - One file per graph variant (no adapter in the step / adapters), under a key of what shapes the graph: torch
-  and Python, Inductor's settings, the thread count, the vector ISA of the CPU kernels, this package's source,
+  and Python, Inductor's settings, the thread count, the vector ISA of the CPU kernels, the engine's source (every module of lora_compile),
   the model config, and the name, shape, dtype, device and layout of every model tensor. Any change there
   compiles and saves anew. (The engine limits reach the graph only through tensor shapes: KV cache, LoRA slots.)
 - The model is an argument of the saved function, not part of it: the file serves any instance with that key.
@@ -54,9 +54,9 @@ def artifact_key(model: torch.nn.Module) -> str:
     # them for when they load: a stack saved under AVX-512 and reloaded under AVX2 (another CPU sharing the
     # directory, or ATEN_CPU_CAPABILITY) gave NaN logits, half of every vector loop skipped.
     h.update(str(pick_vec_isa()).encode())
-    package = Path(__file__).resolve().parent
-    for source in sorted(package.glob("*.py")):
-        h.update(source.name.encode() + source.read_bytes())
+    package = Path(__file__).resolve().parents[1]  # the whole engine: the model's code lives in sub-packages
+    for source in sorted(package.rglob("*.py")):
+        h.update(str(source.relative_to(package)).encode() + source.read_bytes())
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         # the device with its index: generated GPU code names it
         h.update(f"{name} {tuple(t.shape)} {t.dtype} {t.device} {t.layout};".encode())
