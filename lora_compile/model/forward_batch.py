@@ -11,6 +11,11 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 
+# Every step's last token is a dummy (core.batch_init: it pads the decode and prefill groups to two rows) whose
+# outputs are never read: a kernel that pays per row may leave it out (quantization.linear on the CPU).
+DUMMY_TOKENS = 1
+
+
 def dynamic(*dims: int, **kwargs):
     """A field whose dims `dims` vary between steps. Each is >= 2 by construction (a step has a dummy token, groups
     are padded to 2 rows), so 0/1 specialisation cannot add graphs after warm-up; every other dim is static."""

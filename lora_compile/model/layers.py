@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from . import quantization
-from .forward_batch import LoRABatch
+from .forward_batch import DUMMY_TOKENS, LoRABatch
 from .packed_gemm import linear, prepack
 
 
@@ -212,7 +212,8 @@ class LoRALinear(nn.Module):
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         """x·Wᵀ, without the bias."""
         if self.weight is None:
-            return quantization.linear(x, self.quant, self.qweight, self.qscales, self.group_size)
+            return quantization.linear(x, self.quant, self.qweight, self.qscales, self.group_size,
+                                       padding_rows=DUMMY_TOKENS)
         return linear(x, self.weight, self.weight_packed)
 
     def _biased(self, y: torch.Tensor) -> torch.Tensor:
