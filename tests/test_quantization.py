@@ -93,6 +93,38 @@ def test_padding_rows_are_left_out_of_the_kernel(form):
         assert torch.equal(padded[:-1], whole[:-1]) and not padded[-1].any() and whole[-1].any()
 
 
+AMX = pytest.mark.skipif(not qz.amx_tiles.available(), reason="Inductor's AMX template needs a CPU with AMX")
+
+
+@AMX
+@pytest.mark.parametrize("form", ["int4", "int8 groups"])
+def test_many_rows_take_the_amx_tiles_compiled(form):
+    """Compiled in bfloat16 on a CPU with AMX, a product of more than TILES_MIN_TOKENS rows runs Inductor's AMX
+    template over codes re-blocked in the step (amx_tiles), fewer rows torch's kernel, in one graph without a
+    recompile: each within bfloat16's bound of the dequantised product (the dummy row left out below the
+    threshold). The re-blocking is exactly the layout Inductor gives a frozen weight for that template."""
+    from torch._inductor.codegen.cpp_gemm_template import CppWoqInt4GemmTemplate
+
+    n, k = 192, 256
+    raw = _blocks(Q.Q4_0 if form == "int4" else Q.Q8_0, n, k, seed=6)
+    reference = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, Q.Q4_0 if form == "int4" else Q.Q8_0),
+                                            dtype=np.float32).reshape(n, k))
+    qt = qz.from_gguf_blocks(raw, "Q4_0" if form == "int4" else "Q8_0", (n, k))
+    codes, scales = qz.pack(qt, torch.bfloat16, CPU)
+    assert torch.equal(qz.amx_tiles.tile_layout(codes), CppWoqInt4GemmTemplate[32].block_weight(codes, None, 0))
+    group = torch.tensor(qt.group_size)
+    torch._dynamo.reset()  # (the weights' shapes static, as the engine's are: no other form's trace to widen them)
+    product = torch.compile(lambda x, c, s, g: qz.linear(x, qt.kind, c, s, qt.group_size, 1, g), fullgraph=True)
+    for i, tokens in enumerate((5, qz.amx_tiles.TILES_MIN_TOKENS + 1, 40, qz.KERNEL_MAX_TOKENS + 20, 3)):
+        x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens))
+        x_bf16 = x.bfloat16()
+        torch._dynamo.mark_dynamic(x_bf16, 0)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = product(x_bf16, codes, scales, group).float()[:-1]
+        expected = x[:-1] @ reference.T
+        assert ((got - expected).abs().max() / expected.abs().max()).item() <= 2e-2, tokens
+
+
 def test_quantizing_at_load_is_within_half_a_step():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     for group in qz.GROUP_SIZES:

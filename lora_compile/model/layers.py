@@ -137,6 +137,9 @@ class LoRALinear(nn.Module):
             self.register_parameter("weight", None)
         self.register_buffer("qweight", None, persistent=False)
         self.register_buffer("qscales", None, persistent=False)
+        # The group size as a tensor too, which Inductor's AMX template for int4 reads (quantization.amx_tiles).
+        self.register_buffer("qgroup", torch.tensor(group_size, device=device) if quant != "none" else None,
+                             persistent=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -213,7 +216,7 @@ class LoRALinear(nn.Module):
         """x·Wᵀ, without the bias."""
         if self.weight is None:
             return quantization.linear(x, self.quant, self.qweight, self.qscales, self.group_size,
-                                       padding_rows=DUMMY_TOKENS)
+                                       padding_rows=DUMMY_TOKENS, group=self.qgroup)
         return linear(x, self.weight, self.weight_packed)
 
     def _biased(self, y: torch.Tensor) -> torch.Tensor:

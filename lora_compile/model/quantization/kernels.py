@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import amx_tiles
 from .tensor import INT4_OFFSET, QuantizedTensor
 
 
@@ -20,7 +21,7 @@ def pack(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> tuple
     if device.type == "cuda":  # two codes a byte, the even column in the high nibble (torch >= 2.5's input)
         packed = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
         return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), 8), scales_and_zeros
-    cpu_int4_layout_known()  # (asked here, outside any compiled region: linear reads the answer)
+    cpu_int4_layout_known(), amx_tiles.available()  # (asked here, outside any compiled region: linear reads them)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1), scales_and_zeros
 
 
@@ -45,22 +46,24 @@ KERNEL_MAX_TOKENS = 64
 
 
 def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
-           padding_rows: int = 0) -> torch.Tensor:
-    """x (T, K) @ w.T for a packed weight (pack). On the CPU: torch's weight-only kernel for a few tokens in
-    bfloat16; the dequantised weight's GEMM for more, and always in float32, where torch's kernels took 10x a
-    dense GEMM (a scalar path). `padding_rows`: x's last rows are padding, whose outputs are never read; the CPU
-    kernel leaves them out (zeros there): it goes 4 rows at a time, so batch 8's ninth row, the step's dummy token,
-    cost a third pass over the weight (8.7 against 6.1 ms for 14336 x 4096 int4 bf16 on a Xeon with AMX)."""
+           padding_rows: int = 0, group: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, K) @ w.T for a packed weight (pack). On the CPU in bfloat16: torch's weight-only kernel for a few
+    tokens; for more, compiled on a CPU with AMX, Inductor's AMX template over the int4 codes (amx_tiles: `group`,
+    the group size as a tensor, is what it reads), else the dequantised weight's GEMM; in float32 always the
+    dequantised GEMM, where torch's kernels took 10x a dense GEMM (a scalar path). `padding_rows`: x's last rows
+    are padding, whose outputs are never read; the CPU kernel leaves them out (zeros there): it goes 4 rows at a
+    time, so batch 8's ninth row, the step's dummy token, cost a third pass over the weight (8.7 against 6.1 ms
+    for 14336 x 4096 int4 bf16 on a Xeon with AMX)."""
     x = x.contiguous()  # (torch's weight-only kernels read their input densely)
     if x.device.type == "cuda":
         if kind == "int8" and not group_size:  # (no int8 weight-only kernel of torch's there: into the GEMM)
             return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
         return _halves_summed(kind, torch.ops.aten._weight_int4pack_mm(x, codes, group_size, scales))
 
-    def kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         return kernel_linear(x, kind, codes, scales, group_size, padding_rows)
 
-    def dense(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def dense(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         if kind == "int8" and not group_size:
             return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
         w = _dequantize_cpu_int4(codes, scales, group_size, x.dtype)
@@ -69,14 +72,22 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
             w = high + low
         return torch.nn.functional.linear(x, w)
 
-    if kind != "int8" or group_size:
-        if not cpu_int4_layout_known() or scales.shape[1] % _CPU_INT4_BLOCK:
-            return kernel(x, codes, scales)
+    def tiles(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        return _halves_summed(kind, amx_tiles.int4_mm_tiles(x, amx_tiles.tile_layout(codes), scales, group,
+                                                             group_size))
+
+    args = (x, codes, scales, codes if group is None else group)
+    int4pack = kind != "int8" or group_size
+    if int4pack and (not cpu_int4_layout_known() or scales.shape[1] % _CPU_INT4_BLOCK):
+        return kernel(*args)
     if x.dtype == torch.float32:
-        return dense(x, codes, scales)
-    if torch.compiler.is_compiling():  # decided at run time, in the one graph
-        return torch.cond(x.shape[0] > KERNEL_MAX_TOKENS, dense, kernel, (x, codes, scales))
-    return (dense if x.shape[0] > KERNEL_MAX_TOKENS else kernel)(x, codes, scales)
+        return dense(*args)
+    if not torch.compiler.is_compiling():
+        return (dense if x.shape[0] > KERNEL_MAX_TOKENS else kernel)(*args)
+    many, threshold = dense, KERNEL_MAX_TOKENS  # decided at run time, in the one graph
+    if int4pack and group is not None and amx_tiles.usable(codes, scales, group_size, x.dtype):
+        many, threshold = tiles, amx_tiles.TILES_MIN_TOKENS
+    return torch.cond(x.shape[0] > threshold, many, kernel, args)
 
 
 def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
