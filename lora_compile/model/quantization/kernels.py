@@ -37,11 +37,11 @@ def _int4_halves(qt: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor("int4", codes, scale, zero, qt.group_size)
 
 
-# Up to this many tokens a step runs torch's weight-only kernel; above it, the weight dequantised in the graph and
-# oneDNN's GEMM. The kernel goes a row of x at a time (~11 us a row for 1536 x 576 in bf16: 27 us at 1 token against
-# a dense GEMM's 97, 2.8 ms at 256 against 0.32), while dequantising costs about what ~50 rows do (~0.5 ms there,
-# Inductor's fused pass): SmolLM2's bf16 steps crossed over between 32 tokens (kernel 89 ms, dequantised 126) and
-# 250 (566 against 313) on a Xeon with AMX, 2 threads.
+# Where the AMX template does not apply (amx_tiles.usable): up to this many tokens a step runs torch's weight-only
+# kernel; above it, the weight dequantised in the graph and oneDNN's GEMM. The kernel's cost grows with the rows (4
+# at a time: 27 us at 1 token for 1536 x 576 in bf16 against a dense GEMM's 97, 2.8 ms at 256 against 0.32), while
+# dequantising costs about what ~50 rows do (~0.5 ms there, Inductor's fused pass): SmolLM2's bf16 steps crossed
+# over between 32 tokens (kernel 89 ms, dequantised 126) and 250 (566 against 313) on a Xeon with AMX, 2 threads.
 KERNEL_MAX_TOKENS = 64
 
 
