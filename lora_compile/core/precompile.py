@@ -6,9 +6,9 @@ the traced frame, its guards and its compiled code in one file; loading both tak
 most of it importing Inductor's runtime, which a traced start pays too (docs/benchmarks.md).
 
 - One file per graph variant (no adapter in the step / adapters), under a key of what shapes the graph: torch
-  and Python, Inductor's settings, the thread count, the vector ISA of the CPU kernels, the engine's source (every module of lora_compile),
-  the model config, and the name, shape, dtype, device and layout of every model tensor. Any change there
-  compiles and saves anew. (The engine limits reach the graph only through tensor shapes: KV cache, LoRA slots.)
+  and Python, Inductor's settings, the thread count, the vector ISA of the CPU kernels, the engine's source
+  (every module of lora_compile), the model config, and the name, shape, dtype, device and layout of every model
+  tensor. Any change there compiles and saves anew. (The engine limits reach the graph only through tensor shapes: KV cache, LoRA slots.)
 - The model is an argument of the saved function, not part of it: the file serves any instance with that key.
 - Guards kept: the relations between the step's sizes (shape-env guards), checked on every call, plus the hidden
   states' dtype and width, checked here. Left out: guards on the model, which the key covers and which cannot be

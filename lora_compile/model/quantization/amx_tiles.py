@@ -48,9 +48,8 @@ def _amx_isa() -> bool:
 
 def usable(codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> bool:
     """Whether a CPU int4pack weight (kernels.pack) can take the tiles: bfloat16 activations, a group size the
-    micro-kernel takes, whole 64-row blocks, and an AMX CPU."""
-    n, k = scales.shape[1], scales.shape[0] * group_size
-    return (dtype == torch.bfloat16 and group_size in GROUP_SIZES and n % 64 == 0 and k % 64 == 0
+    micro-kernel takes (the input width is a whole number of groups), whole 64-row blocks, and an AMX CPU."""
+    return (dtype == torch.bfloat16 and group_size in GROUP_SIZES and scales.shape[1] % 64 == 0
             and codes.device.type == "cpu" and available())
 
 

@@ -60,10 +60,11 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
             return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
         return _halves_summed(kind, torch.ops.aten._weight_int4pack_mm(x, codes, group_size, scales))
 
-    def kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    # (the branches of one torch.cond take the same operands: `group` is the tiles' alone)
+    def kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *group: torch.Tensor) -> torch.Tensor:
         return kernel_linear(x, kind, codes, scales, group_size, padding_rows)
 
-    def dense(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    def dense(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *group: torch.Tensor) -> torch.Tensor:
         if kind == "int8" and not group_size:
             return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
         w = _dequantize_cpu_int4(codes, scales, group_size, x.dtype)
@@ -76,18 +77,17 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
         return _halves_summed(kind, amx_tiles.int4_mm_tiles(x, amx_tiles.tile_layout(codes), scales, group,
                                                              group_size))
 
-    args = (x, codes, scales, codes if group is None else group)
     int4pack = kind != "int8" or group_size
     if int4pack and (not cpu_int4_layout_known() or scales.shape[1] % _CPU_INT4_BLOCK):
-        return kernel(*args)
+        return kernel(x, codes, scales)
     if x.dtype == torch.float32:
-        return dense(*args)
+        return dense(x, codes, scales)
     if not torch.compiler.is_compiling():
-        return (dense if x.shape[0] > KERNEL_MAX_TOKENS else kernel)(*args)
-    many, threshold = dense, KERNEL_MAX_TOKENS  # decided at run time, in the one graph
+        return (dense if x.shape[0] > KERNEL_MAX_TOKENS else kernel)(x, codes, scales)
+    # decided at run time, in the one graph
     if int4pack and group is not None and amx_tiles.usable(codes, scales, group_size, x.dtype):
-        many, threshold = tiles, amx_tiles.TILES_MIN_TOKENS
-    return torch.cond(x.shape[0] > threshold, many, kernel, args)
+        return torch.cond(x.shape[0] > amx_tiles.TILES_MIN_TOKENS, tiles, kernel, (x, codes, scales, group))
+    return torch.cond(x.shape[0] > KERNEL_MAX_TOKENS, dense, kernel, (x, codes, scales))
 
 
 def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
