@@ -97,7 +97,8 @@ def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch
     x = x.contiguous()
     if x.device.type == "cuda":
         return linear(x, kind, codes, scales, group_size)
-    return _halves_summed(kind, weight_only_mm_cpu(x, codes, scales, group_size, padding_rows))
+    y = weight_only_mm_cpu(x, codes, scales, group_size, padding_rows)
+    return _halves_summed(kind, y) if group_size else y  # (int8 a scale a row: one product, no halves)
 
 
 def _halves_summed(kind: str, y: torch.Tensor) -> torch.Tensor:
