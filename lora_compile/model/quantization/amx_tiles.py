@@ -20,7 +20,7 @@ from .tensor import INT4_OFFSET
 
 # Above this many tokens a step's int4 products take the tiles (kernels.linear); at or below, torch's kernel.
 TILES_MIN_TOKENS = 12
-GROUP_SIZES = (32, 64, 128)  # the micro-kernel's (Inductor's check_woq_int4_extra)
+TILE_GROUP_SIZES = (32, 64, 128)  # the micro-kernel's (Inductor's check_woq_int4_extra)
 _LOW = 0x0F0F0F0F  # the low nibble of each byte of an int32 word
 
 
@@ -49,7 +49,7 @@ def _amx_isa() -> bool:
 def usable(codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> bool:
     """Whether a CPU int4pack weight (kernels.pack) can take the tiles: bfloat16 activations, a group size the
     micro-kernel takes (the input width is a whole number of groups), whole 64-row blocks, and an AMX CPU."""
-    return (dtype == torch.bfloat16 and group_size in GROUP_SIZES and scales.shape[1] % 64 == 0
+    return (dtype == torch.bfloat16 and group_size in TILE_GROUP_SIZES and scales.shape[1] % 64 == 0
             and codes.device.type == "cpu" and available())
 
 

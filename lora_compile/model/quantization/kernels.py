@@ -58,7 +58,7 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
     if x.device.type == "cuda":
         if kind == "int8" and not group_size:  # (no int8 weight-only kernel of torch's there: into the GEMM)
             return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
-        return _halves_summed(kind, torch.ops.aten._weight_int4pack_mm(x, codes, group_size, scales))
+        return _halves_summed(kind, group_size, torch.ops.aten._weight_int4pack_mm(x, codes, group_size, scales))
 
     # (the branches of one torch.cond take the same operands: `group` is the tiles' alone)
     def kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *group: torch.Tensor) -> torch.Tensor:
@@ -74,8 +74,8 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
         return torch.nn.functional.linear(x, w)
 
     def tiles(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-        return _halves_summed(kind, amx_tiles.int4_mm_tiles(x, amx_tiles.tile_layout(codes), scales, group,
-                                                             group_size))
+        return _halves_summed(kind, group_size, amx_tiles.int4_mm_tiles(x, amx_tiles.tile_layout(codes), scales,
+                                                                         group, group_size))
 
     int4pack = kind != "int8" or group_size
     if int4pack and (not cpu_int4_layout_known() or scales.shape[1] % _CPU_INT4_BLOCK):
@@ -97,12 +97,13 @@ def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch
     x = x.contiguous()
     if x.device.type == "cuda":
         return linear(x, kind, codes, scales, group_size)
-    y = weight_only_mm_cpu(x, codes, scales, group_size, padding_rows)
-    return _halves_summed(kind, y) if group_size else y  # (int8 a scale a row: one product, no halves)
+    return _halves_summed(kind, group_size, weight_only_mm_cpu(x, codes, scales, group_size, padding_rows))
 
 
-def _halves_summed(kind: str, y: torch.Tensor) -> torch.Tensor:
-    if kind == "int8":  # an int8-group weight's two int4 halves (_int4_halves)
+def _halves_summed(kind: str, group_size: int, y: torch.Tensor) -> torch.Tensor:
+    """An int8-group weight's product is over its two int4 halves (_int4_halves): their outputs summed. An int8
+    weight with a scale a row (group_size 0) is one product."""
+    if kind == "int8" and group_size:
         high, low = y.chunk(2, dim=-1)
         return high + low
     return y
