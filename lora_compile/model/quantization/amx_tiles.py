@@ -59,7 +59,11 @@ def tile_layout(codes: torch.Tensor) -> torch.Tensor:
     bytes, byte j: row j low, row j + 16 high). Bitwise ops on int32 words, which Inductor vectorises."""
     n, half = codes.shape
     words = codes.view(n // 64, 2 * half, 32).view(torch.int32)  # (N/64, K, 8): bytes 0-15, then 16-31
-    a, c = words[..., :4], words[..., 4:]
+    # The two halves by index, not by slicing: in the compiled step this runs inside a torch.cond branch, where
+    # functionalization turns slices into slice_copy ops that Inductor ran as copies (aten::copy_, 11 ms of a
+    # 32-token demo step); an index with a constant range is a load inside the one fused pass.
+    j = torch.arange(4, device=codes.device)
+    a, c = words[..., j], words[..., j + 4]
     first = (a & _LOW) | ((c & _LOW) << 4)           # rows 0-15 low, 16-31 high: the first 32-row block
     second = ((a >> 4) & _LOW) | (c & ~_LOW)         # rows 32-47 low, 48-63 high: the second
     return torch.stack([first, second], 1).view(torch.uint8).reshape(n, half)
