@@ -127,6 +127,35 @@ def test_many_rows_take_the_amx_tiles_compiled(form):
         assert ((got - expected).abs().max() / expected.abs().max()).item() <= 2e-2, tokens
 
 
+@AMX
+def test_a_quantized_head_takes_the_amx_tiles_past_a_few_rows(tmp_path):
+    """Compiled in bfloat16 on a CPU with AMX, a quantized head's product of more than TILES_MIN_TOKENS rows (a
+    large batch, or prompt log-probabilities) runs a small compiled frame of its own over Inductor's AMX template,
+    traced at start: within bfloat16's bound of torch's kernel at every row count, without a recompile, and the
+    engine's steps take it for such rows."""
+    from lora_compile import compile_policy
+
+    _, path, _ = tiny_llama_gguf(tmp_path, "head.gguf", {"output.weight": Q.Q8_0}, hidden=256, intermediate=512,
+                                 layers=1, seed=11, rank=4, adapter_seed=5)
+    engine = Engine(EngineConfig(model=str(path), compile=True, inductor_cache_dir=INDUCTOR_CACHE,
+                                 quantization="gguf", **(ENGINE_LIMITS | dict(dtype="bfloat16"))))
+    model = engine.model
+    assert (model.head_form.kind, model.head_form.group_size) == ("int8", 32) and model._head_tiles is not None
+    engine.warmup()
+    tiles, rows_seen = model._head_tiles, []
+    model._head_tiles = lambda x: (rows_seen.append(x.shape[0]), tiles(x))[1]
+    with compile_policy.steady_state(True), torch.inference_mode():  # (a recompile raises)
+        for rows in (qz.amx_tiles.TILES_MIN_TOKENS + 1, 40, 129, 300):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            got = tiles(x).float()
+            expected = qz.kernel_linear(x, "int8", model.head_qweight, model.head_qscales, 32).float()
+            assert ((got - expected).abs().max() / expected.abs().max()).item() <= 2e-2, rows
+    [seq] = engine.generate_sequences([[(7 * i) % 500 + 3 for i in range(40)]],
+                                      SamplingParams(max_new_tokens=2, prompt_logprobs=0))
+    assert rows_seen and max(rows_seen) > qz.amx_tiles.TILES_MIN_TOKENS, rows_seen
+    assert len(seq.prompt_logprobs) == 39 and all(math.isfinite(lp) for lp in seq.prompt_logprobs)
+
+
 def test_quantizing_at_load_is_within_half_a_step():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     for group in qz.GROUP_SIZES:

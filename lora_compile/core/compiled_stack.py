@@ -12,6 +12,7 @@ import torch
 from .. import compile_policy
 from ..model.causal_lm import decoder_layer, layer_by_layer, layer_stack
 from ..model.forward_batch import ForwardBatch
+from ..model.quantization import amx_tiles
 from . import precompile
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
     configure returned) with its traced frame when `precompiled` (precompile.PrecompiledStack), else traced by
     torch.compile at every start. Before torch 2.12, each decoder layer is a compiled frame of its own instead
     (compile_each_layer)."""
+    compile_head(model)
     if not compile_policy.REUSE_HASH:
         log.info("torch %s: each decoder layer is compiled as a frame of its own (the one-frame stack and saved "
                  "stacks need torch >= 2.12)", torch.__version__)
@@ -38,6 +40,24 @@ def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
             return compiled(model, h, *fb.flat())
 
         model._run_layers = traced
+
+
+def compile_head(model) -> None:
+    """Where the quantized head can take Inductor's AMX template (model.head_tiles_usable), its product for more
+    than TILES_MIN_TOKENS rows as a small compiled frame of its own (the head runs after the layer stack, outside
+    it), rows dynamic; traced here, at start, rather than in the first large step. Fewer rows keep torch's kernel."""
+    if not model.head_tiles_usable():
+        return
+    compiled = torch.compile(model.head_tiles_product, fullgraph=True)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.mark_dynamic(x, 0)
+        return compiled(x)
+
+    device = model.head_qweight.device
+    with torch.inference_mode():  # (as the engine's steps run: another grad mode would be a recompile there)
+        run(torch.zeros(amx_tiles.TILES_MIN_TOKENS + 1, model.config.hidden_size, dtype=model.dtype, device=device))
+    model._head_tiles = run
 
 
 def compile_each_layer(model) -> None:

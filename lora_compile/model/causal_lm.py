@@ -291,6 +291,10 @@ class CausalLM(nn.Module):
         )
         self.register_buffer("head_qweight", None, persistent=False)
         self.register_buffer("head_qscales", None, persistent=False)
+        # The head's group size as a tensor, for the AMX template (quantization.amx_tiles), and the compiled
+        # product that runs it for more than TILES_MIN_TOKENS rows, where compiled_stack puts one (head_tiles_usable).
+        self.register_buffer("head_qgroup", None, persistent=False)
+        self._head_tiles = None
         self.register_buffer("lm_head_packed", None, persistent=False)  # see prepack_weights
         self._run_layers = self.run_layers  # core.compiled_stack.compile_model swaps in the compiled stack
 
@@ -305,7 +309,9 @@ class CausalLM(nn.Module):
     def logits(self, h: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor:
         # Only the rows that are sampled go through the (large) vocabulary projection.
         x = self.norm(h[logits_idx])
-        if self.head_qweight is not None:
+        if self._head_tiles is not None and x.shape[0] > quantization.amx_tiles.TILES_MIN_TOKENS:
+            logits = self._head_tiles(x)
+        elif self.head_qweight is not None:
             logits = quantization.kernel_linear(x, self.head_form.kind, self.head_qweight, self.head_qscales,
                                                 self.head_form.group_size)
         else:
@@ -315,6 +321,17 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, logits_idx: torch.Tensor) -> torch.Tensor:
         return self.logits(self.hidden_states(input_ids, fb), logits_idx)
+
+    def head_tiles_usable(self) -> bool:
+        """Whether the quantized head can take the AMX template (amx_tiles.usable): a head of a 49,152-word vocabulary
+        held as int8 groups (two int4 halves) cost 24 ms of a 32-token demo step in torch's kernel, 4 rows a pass."""
+        return self.head_qweight is not None and quantization.amx_tiles.usable(
+            self.head_qweight, self.head_qscales, self.head_form.group_size, self.dtype)
+
+    def head_tiles_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The quantized head's product through the AMX template: compiled by compiled_stack (where usable)."""
+        return quantization.tiles_linear(x, self.head_form.kind, self.head_qweight, self.head_qscales,
+                                         self.head_form.group_size, self.head_qgroup)
 
     def memory_bytes(self) -> dict[str, int]:
         """What the model holds, by kind, for the start log: "weights" (one copy of each base weight, in its form),
@@ -357,6 +374,7 @@ class CausalLM(nn.Module):
             name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
             self.head_qweight, self.head_qscales = quantization.pack(
                 quantization.load(ckpt, name, shape, self.head_form), self.dtype, self.norm.weight.device)
+            self.head_qgroup = torch.tensor(self.head_form.group_size, device=self.norm.weight.device)
         elif not self.config.tie_word_embeddings:
             put(self.lm_head, "lm_head.weight")
         for i, layer in enumerate(self.layers):

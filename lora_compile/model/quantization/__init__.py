@@ -25,11 +25,11 @@ torch 2.12) compile once per form at warm-up.
 from . import amx_tiles
 from .embedding import QuantizedEmbedding
 from .gguf_blocks import EXACT_INT4_TYPES, EXACT_INT8_TYPES, from_gguf_blocks
-from .kernels import KERNEL_MAX_TOKENS, cpu_int4_layout_known, kernel_linear, linear, nbytes, pack
+from .kernels import KERNEL_MAX_TOKENS, cpu_int4_layout_known, kernel_linear, linear, nbytes, pack, tiles_linear
 from .plan import NONE, QUANTIZATIONS, Quantization, WeightForm, form_key, load, plan, table_form
 from .tensor import GGUF_GROUP, GROUP_SIZES, QuantizedTensor, cat_rows, quantize_int4, quantize_int8
 
 __all__ = ["amx_tiles", "EXACT_INT4_TYPES", "EXACT_INT8_TYPES", "GGUF_GROUP", "GROUP_SIZES", "KERNEL_MAX_TOKENS", "NONE",
            "QUANTIZATIONS", "Quantization", "QuantizedTensor", "WeightForm", "cat_rows", "cpu_int4_layout_known", "kernel_linear",
            "form_key", "from_gguf_blocks", "linear", "load", "nbytes", "pack", "plan", "quantize_int4",
-           "quantize_int8", "table_form", "QuantizedEmbedding"]
+           "quantize_int8", "table_form", "tiles_linear", "QuantizedEmbedding"]

@@ -74,8 +74,7 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
         return torch.nn.functional.linear(x, w)
 
     def tiles(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-        return _halves_summed(kind, group_size, amx_tiles.int4_mm_tiles(x, amx_tiles.tile_layout(codes), scales,
-                                                                         group, group_size))
+        return tiles_linear(x, kind, codes, scales, group_size, group)
 
     int4pack = kind != "int8" or group_size
     if int4pack and (not cpu_int4_layout_known() or scales.shape[1] % _CPU_INT4_BLOCK):
@@ -88,6 +87,13 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
     if int4pack and group is not None and amx_tiles.usable(codes, scales, group_size, x.dtype):
         return torch.cond(x.shape[0] > amx_tiles.TILES_MIN_TOKENS, tiles, kernel, (x, codes, scales, group))
     return torch.cond(x.shape[0] > KERNEL_MAX_TOKENS, dense, kernel, (x, codes, scales))
+
+
+def tiles_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 group: torch.Tensor) -> torch.Tensor:
+    """x @ w.T through Inductor's AMX template (amx_tiles), compiled only: the codes re-blocked in the graph."""
+    return _halves_summed(kind, group_size, amx_tiles.int4_mm_tiles(x, amx_tiles.tile_layout(codes), scales, group,
+                                                                     group_size))
 
 
 def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
