@@ -99,7 +99,9 @@ def tiles_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.
 def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
                   group_size: int, padding_rows: int = 0) -> torch.Tensor:
     """x @ w.T by torch's weight-only kernel alone, however many rows x has (the LM head: a row per sampled token,
-    where dequantising a 100k-row head for a few rows would cost more than it saves); padding rows as linear."""
+    where dequantising a 100k-row head for a few rows would cost more than it saves; above 12 rows, where the AMX
+    template applies, the head takes tiles_linear in a compiled frame instead: CausalLM.head_tiles_product);
+    padding rows as linear."""
     x = x.contiguous()
     if x.device.type == "cuda":
         return linear(x, kind, codes, scales, group_size)
