@@ -1,8 +1,8 @@
 """Puts the compiled layer stack on a model, in the form compile_policy decides: one compiled frame (saved and
 loaded by precompile, or traced at every start), or before torch 2.12 a compiled frame per decoder layer; and, where
-a quantized head can take Inductor's AMX template, the head's product of many rows as a small frame (compile_head). Kept
-apart from compile_policy, which decides and imports no model code, so that the model reads its decisions without
-an import cycle."""
+a quantized head can take Inductor's AMX template, the head's product of many rows as a small frame (compile_head).
+Kept apart from compile_policy, which decides and imports no model code, so that the model reads its decisions
+without an import cycle."""
 from __future__ import annotations
 
 import logging

@@ -164,6 +164,7 @@ def _weight_only_mm_cpu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
 
 
 _LIB.impl("weight_only_mm_cpu", _weight_only_mm_cpu, "CPU")
+_WEIGHT_ONLY_MM = torch.ops.lora_serve.weight_only_mm_cpu.default
 
 
 @torch.library.register_fake("lora_serve::weight_only_mm_cpu", lib=_LIB)
@@ -179,7 +180,7 @@ def weight_only_mm_cpu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     own lowering of the int4 kernel passes the group size as a tensor constant, which torch 2.13 hands wrongly to a
     repeated region's subgraph ("group size must be a scalar": the decoder layer is one), and because a slice of
     the step's rows traced there would guard on its size being 1 (a batch of one: a recompile)."""
-    return torch.ops.lora_serve.weight_only_mm_cpu(x, codes, scales, group_size, padding_rows)
+    return _WEIGHT_ONLY_MM(x, codes, scales, group_size, padding_rows)
 
 
 def nbytes(codes: torch.Tensor, scales: torch.Tensor) -> int:
