@@ -6,7 +6,9 @@ A projection (LoRALinear) holds its base weight in one form, one copy in memory:
   + zero, torch's own weight-only kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int4pack_mm` on CUDA), and
   for steps of many tokens on a CPU with AMX Inductor's AMX template for the same product (amx_tiles);
 - "int8": 8-bit codes, with one scale per output row (group_size 0: w = q * scale, `_weight_int8pack_mm` on the
-  CPU), or a scale and a zero per group of 32 (a GGUF's 5- and 8-bit blocks: w = q * scale + zero, below).
+  CPU; on a CPU with AMX in bfloat16 Inductor's AMX template at every row count, the codes held in its blocked
+  layout: amx_int8), or a scale and a zero per group of 32 (a GGUF's 5- and 8-bit blocks: w = q * scale + zero,
+  below).
 LoRA's A and B stay in the activation dtype on top. The activations stay in their dtype: these are weight-only.
 
 Where a weight comes from decides whether its form loses anything:
@@ -22,14 +24,14 @@ A fused projection (qkv, gate_up) has one form in a layer, the one all its modul
 (a Q4_K_M file's Q6_K layers): the CPU's step is one graph over all layers, and the per-layer frames (CUDA before
 torch 2.12) compile once per form at warm-up.
 """
-from . import amx_tiles
+from . import amx_int8, amx_tiles
 from .embedding import QuantizedEmbedding
 from .gguf_blocks import EXACT_INT4_TYPES, EXACT_INT8_TYPES, from_gguf_blocks
 from .kernels import KERNEL_MAX_TOKENS, cpu_int4_layout_known, kernel_linear, linear, nbytes, pack, tiles_linear
 from .plan import NONE, QUANTIZATIONS, Quantization, WeightForm, form_key, load, plan, table_form
 from .tensor import GGUF_GROUP, GROUP_SIZES, QuantizedTensor, cat_rows, quantize_int4, quantize_int8
 
-__all__ = ["amx_tiles", "EXACT_INT4_TYPES", "EXACT_INT8_TYPES", "GGUF_GROUP", "GROUP_SIZES", "KERNEL_MAX_TOKENS", "NONE",
+__all__ = ["amx_int8", "amx_tiles", "EXACT_INT4_TYPES", "EXACT_INT8_TYPES", "GGUF_GROUP", "GROUP_SIZES", "KERNEL_MAX_TOKENS", "NONE",
            "QUANTIZATIONS", "Quantization", "QuantizedTensor", "WeightForm", "cat_rows", "cpu_int4_layout_known", "kernel_linear",
            "form_key", "from_gguf_blocks", "linear", "load", "nbytes", "pack", "plan", "quantize_int4",
            "quantize_int8", "table_form", "tiles_linear", "QuantizedEmbedding"]

@@ -1,19 +1,25 @@
 """Packing a quantized weight for the device's kernel, and the product with it: torch's own weight-only kernels
-(CPU int4pack / int8pack, CUDA int4pack) or, for many tokens on the CPU, the weight dequantised in the graph."""
+(CPU int4pack / int8pack, CUDA int4pack), Inductor's AMX templates on CPUs with AMX (amx_tiles for int4 above a
+few rows, amx_int8 for int8 a scale a row at every row count) or, for many tokens elsewhere on the CPU, the weight
+dequantised in the graph."""
 from __future__ import annotations
 
 import torch
 
-from . import amx_tiles
+from . import amx_int8, amx_tiles
 from .tensor import INT4_OFFSET, QuantizedTensor
 
 
 def pack(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, scales) in the layout the device's kernel reads: int4 (torch's int4pack, scales and zeros
-    (K / group, N, 2) in the activation dtype); int8 per row (the codes (N, K) and one scale a row in that dtype);
-    int8 in groups as two int4 halves of one int4pack (_int4_halves)."""
+    (K / group, N, 2) in the activation dtype); int8 per row (the codes (N, K), or on a CPU with AMX in bfloat16
+    the AMX template's blocks (amx_int8), and one scale a row in that dtype); int8 in groups as two int4 halves of
+    one int4pack (_int4_halves)."""
     if qt.kind == "int8" and not qt.group_size:
-        return qt.codes.to(device).contiguous(), qt.scale.to(device=device, dtype=dtype)
+        scale = qt.scale.to(device=device, dtype=dtype)
+        if amx_int8.usable(*qt.shape, dtype, device):
+            return amx_int8.tile_layout(qt.codes.to(device)), scale
+        return qt.codes.to(device).contiguous(), scale
     if qt.kind == "int8":
         qt = _int4_halves(qt)
     scales_and_zeros = torch.stack([qt.scale.t(), qt.zero.t()], dim=-1).to(device=device, dtype=dtype).contiguous()
@@ -47,14 +53,17 @@ KERNEL_MAX_TOKENS = 64
 
 def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
            padding_rows: int = 0, group: torch.Tensor | None = None) -> torch.Tensor:
-    """x (T, K) @ w.T for a packed weight (pack). On the CPU in bfloat16: torch's weight-only kernel for a few
-    tokens; for more, compiled on a CPU with AMX, Inductor's AMX template over the int4 codes (amx_tiles: `group`,
-    the group size as a tensor, is what it reads), else the dequantised weight's GEMM; in float32 always the
+    """x (T, K) @ w.T for a packed weight (pack). int8 a scale a row on a CPU with AMX in bfloat16: Inductor's AMX
+    template (amx_int8), whatever the rows (no row left out). Else on the CPU in bfloat16: torch's weight-only
+    kernel for a few tokens; for more, compiled on a CPU with AMX, Inductor's AMX template over the int4 codes
+    (amx_tiles: `group`, the group size as a tensor, is what it reads), else the dequantised weight's GEMM; in float32 always the
     dequantised GEMM, where torch's kernels took 10x a dense GEMM (a scalar path). `padding_rows`: x's last rows
     are padding, whose outputs are never read; the CPU kernel leaves them out (zeros there): it goes 4 rows at a
     time, so batch 8's ninth row, the step's dummy token, cost a third pass over the weight (8.7 against 6.1 ms
     for 14336 x 4096 int4 bf16 on a Xeon with AMX)."""
     x = x.contiguous()  # (torch's weight-only kernels read their input densely)
+    if codes.dim() == 3:  # int8 in the AMX template's blocks (pack): the template at every row count
+        return amx_int8.int8_mm_tiles(x, codes, scales)
     if x.device.type == "cuda":
         if kind == "int8" and not group_size:  # (no int8 weight-only kernel of torch's there: into the GEMM)
             return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
@@ -103,7 +112,7 @@ def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch
     template applies, the head takes tiles_linear in a compiled frame instead: CausalLM.head_tiles_product);
     padding rows as linear."""
     x = x.contiguous()
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" or codes.dim() == 3:
         return linear(x, kind, codes, scales, group_size)
     return _halves_summed(kind, group_size, weight_only_mm_cpu(x, codes, scales, group_size, padding_rows))
 
