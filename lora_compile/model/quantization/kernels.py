@@ -63,7 +63,7 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
     for 14336 x 4096 int4 bf16 on a Xeon with AMX)."""
     x = x.contiguous()  # (torch's weight-only kernels read their input densely)
     if codes.dim() == 3:  # int8 in the AMX template's blocks (pack): the template at every row count
-        return amx_int8.int8_mm_tiles(x, codes, scales)
+        return amx_int8.int8_mm_tiles(x, codes, scales, padding_rows)
     if x.device.type == "cuda":
         if kind == "int8" and not group_size:  # (no int8 weight-only kernel of torch's there: into the GEMM)
             return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales
