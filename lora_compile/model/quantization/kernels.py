@@ -83,7 +83,7 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
         return torch.nn.functional.linear(x, w)
 
     def tiles(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-        return tiles_linear(x, kind, codes, scales, group_size, group)
+        return tiles_linear(x, kind, codes, scales, group_size, group, padding_rows)
 
     int4pack = kind != "int8" or group_size
     if int4pack and (not cpu_int4_layout_known() or scales.shape[1] % _CPU_INT4_BLOCK):
@@ -99,10 +99,11 @@ def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor
 
 
 def tiles_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
-                 group: torch.Tensor) -> torch.Tensor:
-    """x @ w.T through Inductor's AMX template (amx_tiles), compiled only: the codes re-blocked in the graph."""
+                 group: torch.Tensor, padding_rows: int = 0) -> torch.Tensor:
+    """x @ w.T through Inductor's AMX template (amx_tiles), compiled only: the codes re-blocked in the graph, x's
+    last `padding_rows` rows left out (zeros there)."""
     return _halves_summed(kind, group_size, amx_tiles.int4_mm_tiles(x, amx_tiles.tile_layout(codes), scales, group,
-                                                                     group_size))
+                                                                     group_size, padding_rows))
 
 
 def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
