@@ -53,9 +53,11 @@ def test_int8_rows_take_the_amx_template_at_every_row_count():
 
 
 def test_a_compiled_engine_runs_int8_rows_through_the_template_as_eager_computes_them(tmp_path):
-    """A bfloat16 checkpoint quantized at load to int8 a scale a row: every projection holds the template's layout;
+    """A bfloat16 checkpoint quantized at load to int8 a scale a row: every projection holds the template's layout,
+    and compiled the untied head too (its sampled rows, from one up, in a compiled frame of its own);
     compiled, base and adapter sequences joining at different steps (rows from 1 to a prompt chunk) never recompile
-    and give the eager engine's logits (the codes widened for one GEMM) up to where their greedy tokens first part,
+    and give the eager engine's logits (the codes widened for one GEMM, the head at full width) up to where their
+    greedy tokens first part,
     within 8 % of the logits' size: on this model compiled and eager bfloat16 part by up to 6 % at full width too
     (Inductor keeps a fused chain's values in float32), where a misread layout or scale is off by the whole size."""
     model_dir = make_tiny_model(tmp_path / "model", seed=5, dtype="bfloat16")
@@ -66,6 +68,10 @@ def test_a_compiled_engine_runs_int8_rows_through_the_template_as_eager_computes
                                      quantization="int8", **(ENGINE_LIMITS | dict(dtype="bfloat16"))))
         projections = [p for layer in engine.model.layers for p, _ in layer.projections()]
         assert all(p.weight is None and p.qweight.dim() == 3 for p in projections)
+        # The untied head too where its template runs (compiled: a frame of its own), else full width.
+        model = engine.model
+        assert (model.head_form.kind, model.lm_head is None, model._head_tiles is not None) == (
+            ("int8", True, True) if compiled else ("none", False, False))
         engine.adapters.register("ad", str(adapter))
         engine.warmup()
         with compile_policy.steady_state(compiled):  # (a recompile raises)

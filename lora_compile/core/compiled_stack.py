@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .. import compile_policy
 from ..model.causal_lm import decoder_layer, layer_by_layer, layer_stack
@@ -45,15 +46,17 @@ def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
 
 def compile_head(model) -> None:
     """Where the quantized head can take Inductor's AMX template (model.head_tiles_usable), its product for more
-    than TILES_MIN_TOKENS rows as a small compiled frame of its own (the head runs after the layer stack, outside
-    it), rows dynamic; traced here, at start, rather than in the first large step. Fewer rows keep torch's kernel."""
+    than model.head_tiles_above() rows as a small compiled frame of its own (the head runs after the layer stack,
+    outside it), rows dynamic, one padding row added (a lone row would be a size-1 specialisation); traced here, at
+    start, rather than in the first large step. Fewer rows keep torch's kernel."""
     if not model.head_tiles_usable():
         return
     compiled = torch.compile(model.head_tiles_product, fullgraph=True)
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x, (0, 0, 0, 1))
         torch._dynamo.mark_dynamic(x, 0)
-        return compiled(x)
+        return compiled(x)[:-1]
 
     device = model.head_qweight.device
     with torch.inference_mode():  # (as the engine's steps run: another grad mode would be a recompile there)

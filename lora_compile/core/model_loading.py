@@ -29,11 +29,12 @@ def load_model(config: EngineConfig, source: ModelSource, device: torch.device, 
         forms, described = quantization.plan(config.quantization, config.quantization_group_size, ckpt,
                                              *projection_tensors(mc), device, dtype)
         embed, tied = "model.embed_tokens.weight", mc.tie_word_embeddings
-        embed_form, embed_lines = quantization.table_form(config.quantization, ckpt, embed, "embeddings",
-                                                          mc.hidden_size, device, dtype)
+        table = (mc.vocab_size, mc.hidden_size)
+        embed_form, embed_lines = quantization.table_form(config.quantization, ckpt, embed, "embeddings", table,
+                                                          device, dtype)
         head_form, head_lines = quantization.table_form(
             config.quantization, ckpt, embed if tied else "lm_head.weight", "head (tied)" if tied else "head",
-            mc.hidden_size, device, dtype)
+            table, device, dtype, config.compile)
         for line in described + embed_lines + head_lines:
             log.info("weights %s", line)
         model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, dtype, device, lora_kernel,

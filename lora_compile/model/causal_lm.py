@@ -309,7 +309,7 @@ class CausalLM(nn.Module):
     def logits(self, h: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor:
         # Only the rows that are sampled go through the (large) vocabulary projection.
         x = self.norm(h[logits_idx])
-        if self._head_tiles is not None and x.shape[0] > quantization.amx_tiles.TILES_MIN_TOKENS:
+        if self._head_tiles is not None and x.shape[0] > self.head_tiles_above():
             logits = self._head_tiles(x)
         elif self.head_qweight is not None:
             logits = quantization.kernel_linear(x, self.head_form.kind, self.head_qweight, self.head_qscales,
@@ -323,15 +323,25 @@ class CausalLM(nn.Module):
         return self.logits(self.hidden_states(input_ids, fb), logits_idx)
 
     def head_tiles_usable(self) -> bool:
-        """Whether the quantized head can take the AMX template (amx_tiles.usable): a head of a 49,152-word vocabulary
-        held as int8 groups (two int4 halves) cost 24 ms of a 32-token demo step in torch's kernel, 4 rows a pass."""
-        return self.head_qweight is not None and quantization.amx_tiles.usable(
-            self.head_qweight, self.head_qscales, self.head_form.group_size, self.dtype)
+        """Whether the quantized head can take an AMX template (amx_tiles.usable; int8 a scale a row is held for
+        one, amx_int8): a head of a 49,152-word vocabulary held as int8 groups (two int4 halves) cost 24 ms of a
+        32-token demo step in torch's kernel, 4 rows a pass."""
+        return self.head_qweight is not None and (self.head_qweight.dim() == 3 or quantization.amx_tiles.usable(
+            self.head_qweight, self.head_qscales, self.head_form.group_size, self.dtype))
+
+    def head_tiles_above(self) -> int:
+        """The rows above which the head takes its compiled template: any for int8 a scale a row (held in the
+        template's layout only), else more than TILES_MIN_TOKENS (fewer keep torch's int4 kernel)."""
+        return 0 if self.head_qweight.dim() == 3 else quantization.amx_tiles.TILES_MIN_TOKENS
 
     def head_tiles_product(self, x: torch.Tensor) -> torch.Tensor:
-        """The quantized head's product through the AMX template: compiled by compiled_stack (where usable)."""
+        """The quantized head's product through the AMX template (x's last row padding, left out: compile_head
+        adds it, so that a single sampled row is not a row count of 1, which a compiled frame specialises):
+        compiled by compiled_stack (where usable)."""
+        if self.head_qweight.dim() == 3:
+            return quantization.linear(x, "int8", self.head_qweight, self.head_qscales, 0, padding_rows=1)
         return quantization.tiles_linear(x, self.head_form.kind, self.head_qweight, self.head_qscales,
-                                         self.head_form.group_size, self.head_qgroup)
+                                         self.head_form.group_size, self.head_qgroup, padding_rows=1)
 
     def memory_bytes(self) -> dict[str, int]:
         """What the model holds, by kind, for the start log: "weights" (one copy of each base weight, in its form),

@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 import torch
 
+from . import amx_int8
 from .gguf_blocks import EXACT_INT4_TYPES, EXACT_INT8_TYPES
 from .tensor import GGUF_GROUP, GROUP_SIZES, INT4_OFFSET, QuantizedTensor, quantize_int4, quantize_int8
 
@@ -83,13 +84,22 @@ def _resolved(requested: str, is_gguf: bool, dtype: torch.dtype) -> str:
     return "gguf" if is_gguf and dtype in (torch.bfloat16, torch.float16) else "none"
 
 
-def table_form(requested: str, ckpt, name: str, what: str, hidden_size: int, device: torch.device,
-               dtype: torch.dtype) -> tuple[WeightForm, list[str]]:
+def table_form(requested: str, ckpt, name: str, what: str, shape: tuple[int, int], device: torch.device,
+               dtype: torch.dtype, compiled: bool = False) -> tuple[WeightForm, list[str]]:
     """The form of the embeddings ("model.embed_tokens.weight") or the LM head ("lm_head.weight"; tied: the
-    embeddings' tensor), and its start-log line (naming it `what`): a GGUF file's blocks as stored where the projections' are kept
+    embeddings' tensor) of `shape` (vocabulary, hidden), and its start-log line (naming it `what`): a GGUF file's
+    blocks as stored where the projections' are kept
     ("gguf", or "auto" in bfloat16/float16) and their type is one (Q4_0/Q4_1/Q4_K as int4, Q8_0/Q5 as int8 groups
-    of 32), else full width. At 8B shapes each is 1 GB of bfloat16, the head read by every step."""
+    of 32), else full width. At 8B shapes each is 1 GB of bfloat16, the head read by every step. A float
+    checkpoint's untied head with `int8`: int8 a scale a row where Inductor's AMX template runs it (`compiled`: in
+    a frame of its own, core/compiled_stack.compile_head), else full width (torch's int8 kernel takes 4 rows a pass
+    over the whole vocabulary)."""
     types = getattr(ckpt, "tensor_type", None)
+    if types is None and what == "head" and requested == "int8" and compiled and amx_int8.usable(*shape, dtype,
+                                                                                                 device):
+        form = WeightForm("int8", 0)
+        return form, [f"{what}: {_describe(form, None)}"]
+    hidden_size = shape[1]
     if types is None or _resolved(requested, True, dtype) not in ("gguf", "int8", "int4"):
         return NONE, []
     if hidden_size % GGUF_GROUP or dtype == torch.float32 or (device.type == "cuda" and dtype != torch.bfloat16):
