@@ -16,7 +16,7 @@ Nothing here is hand-written C++: the kernel is Inductor's, the layout torch ops
 """
 from __future__ import annotations
 
-import contextlib
+from unittest import mock
 
 import torch
 
@@ -136,7 +136,7 @@ def _register_lowering() -> bool:
             return create_epilogue_with_attr(buf, "mul", other=realize_inputs(L.expand(scale, layout.size)))
 
         choices: list = []
-        with _patched(cpp_gemm_template, "create_micro_gemm", micro_gemm_for_32_rows):
+        with mock.patch.object(cpp_gemm_template, "create_micro_gemm", micro_gemm_for_32_rows):
             template = PreBlockedTemplate.add_choices(choices, layout, [mat1, mat2, scale], epilogue_creator=scaled)
         blocking = getattr(template, "register_blocking", None)
         if len(choices) != 1 or getattr(template, "name", "") != CppMicroGemmAMX.__name__ or blocking is None \
@@ -148,12 +148,3 @@ def _register_lowering() -> bool:
     _registered.append(True)
     return True
 
-
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
