@@ -84,7 +84,7 @@ def test_padding_rows_are_left_out_of_the_kernel(form):
     """The step's dummy token (forward_batch.DUMMY_TOKENS) is left out of torch's CPU kernel, which goes 4 rows at
     a time: every other row is what the kernel gives without it, bit for bit, within bfloat16's bound of the
     dequantised product, and the left-out row is zero. (int8 a scale a row on a CPU with AMX takes Inductor's
-    template instead, whose tiles of 32 rows take a dummy row at no cost.)"""
+    template instead, which leaves the row out too: tests/test_int8_amx.py.)"""
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(4)) * 0.05
     qt = {"int4": lambda: qz.quantize_int4(w, 32), "int8 rows": lambda: qz.quantize_int8(w),
           "int8 groups": lambda: qz.from_gguf_blocks(_blocks(Q.Q8_0, 128, 256, seed=4), "Q8_0", (128, 256))}[form]()

@@ -292,7 +292,8 @@ class CausalLM(nn.Module):
         self.register_buffer("head_qweight", None, persistent=False)
         self.register_buffer("head_qscales", None, persistent=False)
         # The head's group size as a tensor, for the AMX template (quantization.amx_tiles), and the compiled
-        # product that runs it for more than TILES_MIN_TOKENS rows, where compiled_stack puts one (head_tiles_usable).
+        # product that runs an AMX template for more than head_tiles_above() rows, where compiled_stack puts one
+        # (head_tiles_usable).
         self.register_buffer("head_qgroup", None, persistent=False)
         self._head_tiles = None
         self.register_buffer("lm_head_packed", None, persistent=False)  # see prepack_weights

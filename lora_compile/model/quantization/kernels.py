@@ -54,7 +54,7 @@ KERNEL_MAX_TOKENS = 64
 def linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
            padding_rows: int = 0, group: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, K) @ w.T for a packed weight (pack). int8 a scale a row on a CPU with AMX in bfloat16: Inductor's AMX
-    template (amx_int8), whatever the rows (no row left out). Else on the CPU in bfloat16: torch's weight-only
+    template (amx_int8), whatever the rows. Else on the CPU in bfloat16: torch's weight-only
     kernel for a few tokens; for more, compiled on a CPU with AMX, Inductor's AMX template over the int4 codes
     (amx_tiles: `group`, the group size as a tensor, is what it reads), else the dequantised weight's GEMM; in float32 always the
     dequantised GEMM, where torch's kernels took 10x a dense GEMM (a scalar path). `padding_rows`: x's last rows
@@ -109,12 +109,12 @@ def tiles_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.
 def kernel_linear(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
                   group_size: int, padding_rows: int = 0) -> torch.Tensor:
     """x @ w.T by torch's weight-only kernel alone, however many rows x has (the LM head: a row per sampled token,
-    where dequantising a 100k-row head for a few rows would cost more than it saves; above 12 rows, where the AMX
-    template applies, the head takes tiles_linear in a compiled frame instead: CausalLM.head_tiles_product);
-    padding rows as linear."""
+    where dequantising a 100k-row head for a few rows would cost more than it saves; where an AMX template applies,
+    the head takes it in a compiled frame instead: CausalLM.head_tiles_product); padding rows as linear. int8 a
+    scale a row held in the AMX template's blocks (pack) has no other kernel: linear's."""
     x = x.contiguous()
     if x.device.type == "cuda" or codes.dim() == 3:
-        return linear(x, kind, codes, scales, group_size)
+        return linear(x, kind, codes, scales, group_size, padding_rows)
     return _halves_summed(kind, group_size, weight_only_mm_cpu(x, codes, scales, group_size, padding_rows))
 
 
