@@ -54,6 +54,49 @@ def resident_bytes() -> int:
         return 0
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _heap_allocated():
+    """The allocator's count of bytes its callers hold: TCMalloc's `generic.current_allocated_bytes` when it is
+    loaded, else glibc's mallinfo2 (bytes in use in every arena plus the mmapped chunks); None elsewhere."""
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return None
+    numeric = getattr(process, "MallocExtension_GetNumericProperty", None)
+    if numeric is not None:
+        numeric.argtypes, numeric.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int
+        value = ctypes.c_size_t()
+        if numeric(b"generic.current_allocated_bytes", ctypes.byref(value)):
+            def tcmalloc() -> int:
+                numeric(b"generic.current_allocated_bytes", ctypes.byref(value))
+                return value.value
+            return tcmalloc
+    mallinfo2 = getattr(process, "mallinfo2", None)
+    if mallinfo2 is not None:
+        mallinfo2.restype = _Mallinfo2
+
+        def glibc() -> int:
+            info = mallinfo2()
+            return info.uordblks + info.hblkhd
+        return glibc
+    return None
+
+
+_ALLOCATED = _heap_allocated()
+
+
+def heap_bytes() -> int:
+    """Bytes of the heap this process's code holds (the allocator's own count): unlike the resident set, it grows
+    by what an allocation takes even where the allocator reuses pages an earlier one freed, and does not count
+    freed pages the allocator has not given back. The resident set where the allocator has no such count."""
+    return _ALLOCATED() if _ALLOCATED is not None else resident_bytes()
+
+
 def _heap_release():
     """The allocator's call that returns free pages to the system: TCMalloc's when it is loaded (the server's
     default, service.allocator), else glibc's malloc_trim; None elsewhere."""

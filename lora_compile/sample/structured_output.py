@@ -29,7 +29,7 @@ import llguidance.torch as llg_torch
 import torch
 
 from ..errors import GrammarError  # noqa: F401 (re-exported: where the service catches it)
-from ..host_memory import release_free_heap, resident_bytes
+from ..host_memory import heap_bytes, release_free_heap
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -45,7 +45,7 @@ class GrammarLimits:
     """What one constraint may cost (EngineConfig's structured_output_* fields, the flags of the same names)."""
 
     compile_timeout_s: float = 2.0      # compiling and its first mask, off the engine thread
-    max_memory_bytes: int = 64 << 20    # memory a compiled constraint keeps (the process's resident growth)
+    max_memory_bytes: int = 64 << 20    # heap a compiled constraint keeps (host_memory.heap_bytes)
     cache_bytes: int = 256 << 20        # compiled constraints kept, all together
     step_timeout_s: float = 0.1         # a step's grammar work: its masks, then consuming its sampled tokens
 
@@ -153,7 +153,7 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutput) -> _Compiled:
         grammar = spec.grammar()
-        before, t0 = resident_bytes(), time.perf_counter()
+        before, t0 = heap_bytes(), time.perf_counter()
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._llg_limits)
         probe = matcher.deep_copy()
         bitmask = torch.empty(llg_torch.get_bitmask_shape(1, self.vocab_size), dtype=torch.int32)
@@ -162,7 +162,7 @@ class GrammarCompiler:
             llg_torch.fill_next_token_bitmask(probe, bitmask, 0)
             problem = probe.get_error() if probe.is_error() else ""
         reason = in_our_words(problem) if problem else self._over_budget(time.perf_counter() - t0,
-                                                                          max(0, resident_bytes() - before))
+                                                                          max(0, heap_bytes() - before))
         if reason is None:
             # The tokens the grammar forces from there, and the mask after them: a schema that requires itself
             # forces an endless prefix, which fails here rather than in a step. (llguidance keeps the GIL here:
@@ -171,7 +171,7 @@ class GrammarCompiler:
             if forced and probe.consume_tokens(forced):
                 llg_torch.fill_next_token_bitmask(probe, bitmask, 0)
             reason = in_our_words(probe.get_error()) if probe.is_error() else None
-        seconds, grown = time.perf_counter() - t0, max(0, resident_bytes() - before)
+        seconds, grown = time.perf_counter() - t0, max(0, heap_bytes() - before)
         if reason is None:
             reason = self._over_budget(seconds, grown)
         del probe
