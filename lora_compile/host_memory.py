@@ -54,6 +54,17 @@ def resident_bytes() -> int:
         return 0
 
 
+def _process() -> ctypes.CDLL | None:
+    """The process's own symbols (the allocator's calls among them), or None where they cannot be opened."""
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+_PROCESS = _process()
+
+
 class _Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
@@ -63,10 +74,7 @@ class _Mallinfo2(ctypes.Structure):
 def _heap_allocated():
     """The allocator's count of bytes its callers hold: TCMalloc's `generic.current_allocated_bytes` when it is
     loaded, else glibc's mallinfo2 (bytes in use in every arena plus the mmapped chunks); None elsewhere."""
-    try:
-        process = ctypes.CDLL(None)
-    except OSError:
-        return None
+    process = _PROCESS
     numeric = getattr(process, "MallocExtension_GetNumericProperty", None)
     if numeric is not None:
         numeric.argtypes, numeric.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int
@@ -100,10 +108,7 @@ def heap_bytes() -> int:
 def _heap_release():
     """The allocator's call that returns free pages to the system: TCMalloc's when it is loaded (the server's
     default, service.allocator), else glibc's malloc_trim; None elsewhere."""
-    try:
-        process = ctypes.CDLL(None)
-    except OSError:
-        return None
+    process = _PROCESS
     release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
     if release is not None:
         return lambda: release()
