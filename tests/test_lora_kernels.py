@@ -18,10 +18,10 @@ from tests.test_lora import MIXED
 JOIN_AT = [0, 0, 1, 2]
 
 
-def _layer(max_loras: int, rank: int, block_diagonal_b: bool) -> LoRALinear:
+def _layer(max_loras: int, rank: int, block_diagonal_b: bool, b_chunk: int = 0) -> LoRALinear:
     torch.manual_seed(0)
     layer = LoRALinear(32, (24, 8, 8), False, max_loras, rank, torch.float32, torch.device("cpu"),
-                       block_diagonal_b=block_diagonal_b)
+                       block_diagonal_b=block_diagonal_b, b_chunk=b_chunk)
     layer.weight.normal_()
     for slot in range(1, max_loras + 1):
         r = rank if slot % 2 else rank // 2  # mixed ranks: the rest of a slot's rows stay zero
@@ -51,9 +51,11 @@ def test_kernels_equal_per_adapter_gemms(indices):
     assert torch.equal(idx[lora.token_order], idx.sort(stable=True).values)
     masks = LoRABatch(idx).derive("masked", block.max_loras + 1).slot_mask
     assert masks.sum(1).eq(1).all() and masks.int().argmax(1).tolist() == indices
-    # The CPU's long steps (INDEXED_GROUPED): the grouped shrink over the compact B's layer, then the step's own
-    # expand (indexed compiled, per adapter eager).
-    grouped_shrinks = [_lora_delta_grouped(compact, x, lora, compiled) for compiled in (True, False)]
+    # The CPU's long steps (INDEXED_GROUPED): the grouped shrink over the compact B's layer, then the expand
+    # grouped per output slice compiled (B compact, or chunk-major as in bfloat16), per adapter eager.
+    chunked = _layer(4, 8, block_diagonal_b=False, b_chunk=8)
+    grouped_shrinks = [_lora_delta_grouped(layer, x, lora, compiled)
+                       for layer, compiled in ((compact, True), (chunked, True), (compact, False))]
     for delta in (_lora_delta_grouped(block, x, lora), _lora_delta_masked(block, x, masks), *grouped_shrinks):
         torch.testing.assert_close(delta, reference, atol=1e-5, rtol=1e-5)
         assert (delta[idx == 0] == 0).all()

@@ -191,6 +191,16 @@ class LoRALinear(nn.Module):
             return self.lora_b[slot, start // self.b_chunk:end // self.b_chunk, self.b_rows(i)].transpose(0, 1)
         return self.lora_b[slot, self.b_rows(i), start:end]
 
+    def b_all_slots(self, i: int) -> torch.Tensor:
+        """Every stored slot's B for slice i as (slots, max_rank, out_i), contiguous (a grouped GEMM's right
+        operand): a copy of ~slots x rank x out_i values (chunk-major, re-laid; compact, its columns)."""
+        start, end = self._slices[i]
+        if self.b_chunk:
+            k = self.b_chunk
+            b = self.lora_b[:, start // k:end // k, self.b_rows(i)].transpose(1, 2)  # (slots, r, chunks, k)
+            return b.reshape(b.shape[0], self.max_rank, end - start)
+        return self.lora_b[:, self.b_rows(i), start:end].contiguous()
+
     @torch.no_grad()
     def prepack(self) -> None:
         if self.weight is not None:  # (a quantized weight is in its kernel's layout already)
@@ -342,20 +352,30 @@ def _lora_delta_grouped(layer: LoRALinear, x: torch.Tensor, lora: LoRABatch, com
     a 2D left operand split by offsets and a 3D right operand, one matrix per group; B is block-diagonal
     (block_diagonal_b), so one expand serves every slice.
 
-    The CPU's long steps in bfloat16 (compile_policy.INDEXED_GROUPED) take the grouped shrink only: B stays in the
-    indexed kernel's layout (no second copy), and the expand is the step's own (indexed compiled, per adapter
-    eager): 8 x 1,000-token prompts with 8 adapters took 1.25x the base's time, against 1.34x indexed. A grouped
-    expand too, over a block-diagonal second copy of B, took 1.15x, at twice the slots' memory (docs/benchmarks.md)."""
+    The CPU's long steps in bfloat16 (compile_policy.INDEXED_GROUPED) keep B in the indexed kernel's compact layout
+    (no second copy): compiled, the expand is grouped per output slice (_expand_grouped_compact), eager per adapter.
+    A block-diagonal second copy of B, one grouped expand for every slice, costs twice the slots' memory."""
     xs = x[lora.token_order]
     shrink = torch._grouped_mm(xs, layer.lora_a_stack.transpose(1, 2), offs=lora.segment_offsets)  # (T, c*r)
     if not layer.block_diagonal_b:
-        shrink = shrink[lora.token_inverse]
         if compiled:
-            return _expand_indexed(layer, shrink.view(x.shape[0], len(layer.output_sizes), layer.max_rank),
-                                   lora.weight_indices)
-        return _expand_segmented(layer, shrink, lora.weight_indices)
+            return _expand_grouped_compact(layer, shrink, lora)
+        return _expand_segmented(layer, shrink[lora.token_inverse], lora.weight_indices)
     delta = torch._grouped_mm(shrink, layer.lora_b, offs=lora.segment_offsets)  # (T, out)
     return delta[lora.token_inverse]  # back to the step's token order (a gather Inductor fuses into the add)
+
+
+def _expand_grouped_compact(layer: LoRALinear, shrink: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+    """Compiled long CPU steps: the slot-sorted shrink (T, c·r) through one grouped GEMM per output slice over
+    every slot's compact B for that slice (LoRALinear.b_all_slots), then back to the step's token order by one
+    gather. Each slot's B is read once a step, where the indexed expand reads it once a token. 8 x 1,000-token
+    prompts with 8 adapters (bf16, EPYC AVX-512, benchmarks.prefill): 6.75 s against 7.03 s indexed, twice each."""
+    c, r = len(layer.output_sizes), layer.max_rank
+    by_slice = shrink.view(-1, c, r)
+    deltas = [torch._grouped_mm(by_slice[:, i].contiguous(), layer.b_all_slots(i), offs=lora.segment_offsets)
+              for i in range(c)]
+    delta = deltas[0] if c == 1 else torch.cat(deltas, dim=-1)
+    return delta[lora.token_inverse]
 
 
 def _lora_delta_masked(layer: LoRALinear, x: torch.Tensor, slot_mask: torch.Tensor) -> torch.Tensor:
