@@ -136,7 +136,8 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
 
 # The CPU's "auto" kernel in bfloat16: indexed, with the shrink grouped in steps of at least LORA_GROUPED_MIN_TOKENS
 # tokens (a prefill chunk's), where the indexed reductions cost most: 8 x 1,000-token prompts with 8 distinct adapters
-# took 1.34x the base model's time indexed, 1.25x so (layers._lora_delta_grouped), while decode steps with 8 adapters
+# took 1.34x the base model's time indexed, 1.25x with the shrink grouped (Xeon; the expand grouped per slice too
+# since, layers._expand_grouped_compact: 7.03 -> 6.75 s on an EPYC), while decode steps with 8 adapters
 # ran 2.2-2.8x slower grouped (docs/benchmarks.md). Grouped GEMMs compile for bfloat16 only, ranks in multiples of 8.
 # ("indexed" asked for by name is indexed in every step.)
 INDEXED_GROUPED = "indexed+grouped"
