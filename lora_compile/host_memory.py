@@ -74,8 +74,7 @@ class _Mallinfo2(ctypes.Structure):
 def _heap_allocated():
     """The allocator's count of bytes its callers hold: TCMalloc's `generic.current_allocated_bytes` when it is
     loaded, else glibc's mallinfo2 (bytes in use in every arena plus the mmapped chunks); None elsewhere."""
-    process = _PROCESS
-    numeric = getattr(process, "MallocExtension_GetNumericProperty", None)
+    numeric = getattr(_PROCESS, "MallocExtension_GetNumericProperty", None)
     if numeric is not None:
         numeric.argtypes, numeric.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int
         value = ctypes.c_size_t()
@@ -84,7 +83,7 @@ def _heap_allocated():
                 numeric(b"generic.current_allocated_bytes", ctypes.byref(value))
                 return value.value
             return tcmalloc
-    mallinfo2 = getattr(process, "mallinfo2", None)
+    mallinfo2 = getattr(_PROCESS, "mallinfo2", None)
     if mallinfo2 is not None:
         mallinfo2.restype = _Mallinfo2
 
@@ -108,11 +107,10 @@ def heap_bytes() -> int:
 def _heap_release():
     """The allocator's call that returns free pages to the system: TCMalloc's when it is loaded (the server's
     default, service.allocator), else glibc's malloc_trim; None elsewhere."""
-    process = _PROCESS
-    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    release = getattr(_PROCESS, "MallocExtension_ReleaseFreeMemory", None)
     if release is not None:
         return lambda: release()
-    trim = getattr(process, "malloc_trim", None)
+    trim = getattr(_PROCESS, "malloc_trim", None)
     return (lambda: trim(0)) if trim is not None else None
 
 

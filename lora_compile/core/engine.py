@@ -10,9 +10,10 @@ from collections.abc import Callable, Sequence as SequenceLike
 
 import torch
 
-from .. import compile_policy, heap, huge_pages
+from .. import compile_policy, huge_pages
 from ..config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from ..errors import AdapterOutputError
+from ..host_memory import release_free_heap
 from ..kv_cache import KVCacheManager, kv_cache_size
 from ..kv_cache.sizing import format_bytes
 from ..lora.host_cache import host_cache_bytes
@@ -346,7 +347,7 @@ class Engine:
                     seq.block_table, seq.lora_slot = [0] * -(-n // self.config.block_size), slot
                     seqs.append(seq)
                 self.step(seqs)
-            heap.release_free_memory()  # (compiling's temporaries)
+            release_free_heap()  # (compiling's temporaries)
         self._warmed_up = True
         return time.perf_counter() - t0
 

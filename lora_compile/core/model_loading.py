@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import heap
+from ..host_memory import release_free_heap
 from ..config import EngineConfig
 from ..model import packed_gemm, quantization
 from ..model.causal_lm import CausalLM, projection_tensors
@@ -40,7 +40,7 @@ def load_model(config: EngineConfig, source: ModelSource, device: torch.device, 
         model = CausalLM(mc, config.max_loras_per_batch, config.max_lora_rank, dtype, device, lora_kernel,
                          attention_backend, forms, head_form, embed_form, prefill_backend)
         model.load_weights(ckpt)
-    heap.release_free_memory()  # (loading's temporaries: docs/operations.md, quantized weights)
+    release_free_heap()  # (loading's temporaries: docs/operations.md, quantized weights)
     if config.prepack_weights and packed_gemm.available(device, dtype):
         model.prepack_weights()
     quantized = any(form.kind != "none" for layer in forms for form in layer.values())
