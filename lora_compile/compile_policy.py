@@ -219,6 +219,41 @@ def prefill_attention_float32(device: torch.device, compiled: bool) -> bool:
     return compiled and device.type == "cpu"
 
 
+def prefill_attention_onednn(device: torch.device) -> bool:
+    """Whether prompt chunks' float32 attention (torch's CPU flash kernel) runs its products through oneDNN rather
+    than MKL's sgemm: where a float32 product stays float32 in oneDNN under `fp32_precision = "bf16"`, the one
+    setting under which torch's CPU BLAS hands float32 products to oneDNN (set for that call only:
+    attention_sdpa.sdpa_onednn). On an AMD EPYC (AVX-512 with BF16, no AMX) oneDNN ran them as float32 (its
+    avx512_core brgemm; errors against float64 unchanged, operands bfloat16 does not hold included) at 391 GFLOP/s
+    where MKL's sgemm ran 106: the kernel took 0.57-0.61x its time at 512 to 4,000 keys (docs/benchmarks.md
+    section 4). Where oneDNN would compute in bfloat16 (AMX) the probe fails and MKL stays."""
+    global _ONEDNN_KEEPS_FLOAT32
+    if device.type != "cpu":
+        return False
+    if _ONEDNN_KEEPS_FLOAT32 is None:  # (CausalLM asks first, eagerly: never while the compiler traces)
+        _ONEDNN_KEEPS_FLOAT32 = _onednn_keeps_float32()
+    return _ONEDNN_KEEPS_FLOAT32
+
+
+_ONEDNN_KEEPS_FLOAT32: bool | None = None
+
+
+def _onednn_keeps_float32() -> bool:
+    """A float32 product of values bfloat16 does not hold, under that setting, is float32's (once a process)."""
+    matmul = torch.backends.mkldnn.matmul
+    if not torch.backends.mkldnn.is_available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 64, generator=gen), torch.randn(64, 512, generator=gen)
+    previous = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        got = a @ b
+    finally:
+        matmul.fp32_precision = previous
+    return bool((got.double() - a.double() @ b.double()).abs().max() < 1e-4)  # bfloat16 inputs: ~1e-2
+
+
 def steady_state(enabled: bool):
     """Context for steps after warm-up."""
     return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()

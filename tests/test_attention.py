@@ -131,3 +131,26 @@ def test_prefill_attention_reads_its_own_chunk_and_cached_prefix():
     sdpa = sdpa_prefill(q, k_cache, v_cache, torch.arange(5)[None], pos[None], kv_rows(table, key_pos, bs), key_pos,
                         head_dim ** -0.5, None)
     torch.testing.assert_close(sdpa, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_float32_prompt_attention_through_onednn_stays_float32():
+    """Where compile_policy routes the float32 flash kernel's products to oneDNN (not MKL's sgemm), they stay
+    float32: within float32's bound against float64 for operands bfloat16 does not hold (in bfloat16 ~1e-2 off),
+    and the setting that routes them is restored after the call."""
+    from lora_compile import compile_policy
+    from lora_compile.model.attention_sdpa import prefill_mask
+
+    if not compile_policy.prefill_attention_onednn(torch.device("cpu")):
+        pytest.skip("oneDNN would compute these float32 products in bfloat16 on this CPU: MKL keeps them")
+    gen = torch.Generator().manual_seed(3)
+    n_kv, group, head_dim, length, keys = 3, 3, 64, 96, 160
+    q = torch.randn(1, n_kv, length * group, head_dim, generator=gen)
+    k, v = (torch.randn(1, n_kv, keys, head_dim, generator=gen) for _ in range(2))
+    visible = prefill_mask(torch.arange(keys - length, keys)[None], torch.arange(keys), group, None)
+    mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+    reference = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                                 attn_mask=mask.double(), scale=0.125)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    out = torch.ops.lora_compile.sdpa_onednn(q, k, v, mask, 0.125)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    assert out.dtype == torch.float32 and (out.double() - reference).abs().max() < 2e-6

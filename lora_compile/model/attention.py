@@ -139,7 +139,8 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, *given = tensors
             rows, mask = given if derived else (kv_rows(block_table, key_pos, k_cache.shape[1]), None)
             return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w, mask,
-                                compile_policy.prefill_attention_float32(q.device, compiled))
+                                compile_policy.prefill_attention_float32(q.device, compiled),
+                                compile_policy.prefill_attention_onednn(q.device))
         return attend(*tensors, scale, w, float32=cpu, softcap=softcap)
 
     if not skip:

@@ -64,13 +64,42 @@ def prefill_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, group: int,
     return visible[:, None, :, None, :].expand(batch, 1, length, group, s).reshape(batch, 1, length * group, s)
 
 
+# Defined with a plain Library, as packed_gemm's op (a Python kernel the dispatcher calls directly); a FRAGMENT:
+# packed_gemm defines the namespace.
+_LIB = torch.library.Library("lora_compile", "FRAGMENT")
+_LIB.define("sdpa_onednn(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor")
+_MATMUL = torch.backends.mkldnn.matmul
+
+
+def _sdpa_onednn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    # torch's CPU BLAS hands a float32 product to oneDNN only under this setting (compile_policy
+    # .prefill_attention_onednn checked that oneDNN keeps float32 under it here); set for this call only (~1 us).
+    previous = _MATMUL.fp32_precision
+    _MATMUL.fp32_precision = "bf16"
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    finally:
+        _MATMUL.fp32_precision = previous
+
+
+_LIB.impl("sdpa_onednn", _sdpa_onednn, "CPU")
+
+
+@torch.library.register_fake("lora_compile::sdpa_onednn", lib=_LIB)
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
 def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_idx: torch.Tensor,
                  q_pos: torch.Tensor, rows: torch.Tensor, key_pos: torch.Tensor, scale: float,
                  sliding_window: int | torch.Tensor | None, mask: torch.Tensor | None = None,
-                 float32: bool = False) -> torch.Tensor:
+                 float32: bool = False, onednn: bool = False) -> torch.Tensor:
     """Causal attention of each sequence's query block (B, L) over its keys key_pos (S,) (rows (B, S): where each
     lives in the pool); q (T, H, D). `mask`: prefill_mask's as additive scores, derived once per step
-    (AttentionMetadata.derive_prefill), else made here as booleans. Returns (B*L, H*D), as model.attend does."""
+    (AttentionMetadata.derive_prefill), else made here as booleans. Returns (B*L, H*D), as model.attend does.
+    `float32`: computed in float32 (compile_policy.prefill_attention_float32); `onednn`: float32 products through
+    oneDNN, not MKL (compile_policy.prefill_attention_onednn)."""
     batch, length = token_idx.shape
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
@@ -84,6 +113,9 @@ def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         mask = prefill_mask(q_pos, key_pos, group, sliding_window)
     elif mask.dtype != dtype:  # (additive scores: 0 and -inf are exact in any float dtype)
         mask = mask.to(dtype)
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale).to(q.dtype)
+    if onednn and dtype == torch.float32:
+        out = torch.ops.lora_compile.sdpa_onednn(qb, k, v, mask, scale).to(q.dtype)
+    else:
+        out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale).to(q.dtype)
     out = out.view(batch, n_kv, length, group, head_dim)
     return out.permute(0, 2, 1, 3, 4).reshape(batch * length, n_heads * head_dim)
