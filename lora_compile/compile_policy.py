@@ -226,7 +226,8 @@ def prefill_attention_onednn(device: torch.device) -> bool:
     attention_sdpa.sdpa_onednn). On an AMD EPYC (AVX-512 with BF16, no AMX) oneDNN ran them as float32 (its
     avx512_core brgemm; errors against float64 unchanged, operands bfloat16 does not hold included) at 391 GFLOP/s
     where MKL's sgemm ran 106: the kernel took 0.57-0.61x its time at 512 to 4,000 keys (docs/benchmarks.md
-    section 4). Where oneDNN would compute in bfloat16 (AMX) the probe fails and MKL stays."""
+    section 4). Where oneDNN would round them to bfloat16 (as its AMX kernels may), the probe says so and MKL
+    stays."""
     global _ONEDNN_KEEPS_FLOAT32
     if device.type != "cpu":
         return False
