@@ -102,6 +102,32 @@ def test_a_lone_prompt_chunk_attends_as_two_halves(compiled_engines):
         engine.release(seq)
 
 
+def test_a_chunk_the_budget_would_cut_short_waits_rather_than_pad_the_step(compiled_engines):
+    """Every attention row is as wide as the step's widest chunk: a prompt the budget would cut to under half of
+    that waits for the next step (its row would cost as much attention as the widest, and it would not finish
+    anyway); one cut to half or more, and one that completes, go in."""
+    engine = compiled_engines("llama")
+    budget = engine.config.max_num_batched_tokens
+    greedy = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    tail = Sequence(1, list(range(3, 3 + budget + 20)), greedy)       # its first step, then 20 tokens
+    short_tail = Sequence(2, list(range(3, 3 + budget + 10)), greedy)  # its first step, then 10
+    long_prompt = Sequence(3, list(range(5, 45)), greedy)              # 40 tokens: more than any step holds
+    whole = Sequence(4, [5, 6, 7], greedy)                              # done in one chunk
+    seqs = [tail, short_tail, long_prompt, whole]
+    assert all(engine.try_admit(s) for s in seqs)
+    try:
+        engine.step([tail])
+        engine.step([short_tail])
+        _, chunks = engine.batch_init.plan([tail, long_prompt, whole])
+        # 20 + 4 of the 40 would pad the 4 to 20: it waits; the 3-token prompt completes in the room left
+        assert [(p.seq.seq_id, p.length) for p in chunks] == [(1, 20), (4, 3)]
+        _, chunks = engine.batch_init.plan([short_tail, long_prompt])
+        assert [(p.seq.seq_id, p.length) for p in chunks] == [(2, 10), (3, budget - 10)]
+    finally:
+        for s in seqs:
+            engine.release(s)
+
+
 def test_a_second_start_loads_the_saved_stack(compiled_engines, models, adapters):
     """A second engine with the same model and limits loads both graph variants from the cache directory (no
     tracing) and generates the same tokens as the first, and as one whose stack torch.compile traces at start."""

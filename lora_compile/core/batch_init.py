@@ -143,7 +143,8 @@ class BatchInit:
 
     def plan(self, seqs: SequenceLike[Sequence]) -> tuple[list[Planned], list[Planned]]:
         """Split the step's token budget: every sequence with one token left (its last, which samples) first,
-        grouped by LoRA slot, then prefill chunks in order."""
+        grouped by LoRA slot, then prefill chunks in order; a chunk the budget would cut to under half the step's
+        widest waits for the next step."""
         single, rest = [], []
         for seq in seqs:  # one pass: each sequence's count read once (a decode step's whole plan is this loop)
             computed = seq.num_computed_tokens
@@ -155,11 +156,17 @@ class BatchInit:
                 rest.append((seq, computed, remaining))
         budget = self.budget - len(single)
         rows_left = self.max_prompt_logits_rows
-        chunks = []
+        chunks, widest = [], 0
         for seq, computed, remaining in rest:
             if budget <= 0:
                 break
             n = min(remaining, budget)
+            if n < remaining and 2 * n < widest:
+                # Cut by the budget to under half the step's widest chunk, it waits for the next step: every
+                # attention row is as wide as the widest, so its row would cost as much attention as that chunk's,
+                # and it would not finish this step anyway (8 prompts of 1,000 tokens, a 488-token tail beside a
+                # 24-token head: docs/benchmarks.md, "Prefill").
+                continue
             if seq.prompt_logprobs_pending:  # its chunk is cut to the logits rows left (the rest waits)
                 first, end = prompt_logprob_span(seq, computed, n)
                 if end - first > rows_left:
@@ -168,6 +175,7 @@ class BatchInit:
                 if n <= 0:
                     continue
             budget -= n
+            widest = max(widest, n)
             chunks.append(Planned(seq, computed, n))  # a one-token chunk too: `single` holds last tokens only
         # One adapter's tokens side by side: the LoRA kernels then read a slot's weights from memory once and from
         # cache for its next tokens (batch 32, 8 adapters: 3-10 % less per step than interleaved;
