@@ -134,10 +134,11 @@ def test_prefill_attention_reads_its_own_chunk_and_cached_prefix():
 
 
 def test_float32_prompt_attention_through_onednn_stays_float32():
-    """Where compile_policy routes the float32 flash kernel's products to oneDNN (not MKL's sgemm), they stay
-    float32: within float32's bound against float64 for operands bfloat16 does not hold (in bfloat16 ~1e-2 off),
-    and the setting that routes them is restored after the call."""
+    """Where compile_policy routes prompt attention's float32 products to oneDNN (not MKL's sgemm), they stay
+    float32: the flash kernel's and the bmm form's, within float32's bound against float64 for operands bfloat16
+    does not hold (in bfloat16 ~1e-2 off), and the setting that routes them is restored after each call."""
     from lora_compile import compile_policy
+    from lora_compile.model import onednn_float32
     from lora_compile.model.attention_sdpa import prefill_mask
 
     if not compile_policy.prefill_attention_onednn(torch.device("cpu")):
@@ -151,6 +152,10 @@ def test_float32_prompt_attention_through_onednn_stays_float32():
     reference = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                                                  attn_mask=mask.double(), scale=0.125)
     before = torch.backends.mkldnn.matmul.fp32_precision
-    out = torch.ops.lora_compile.sdpa_onednn(q, k, v, mask, 0.125)
+    out = onednn_float32.sdpa(q, k, v, mask, 0.125)
     assert torch.backends.mkldnn.matmul.fp32_precision == before
     assert out.dtype == torch.float32 and (out.double() - reference).abs().max() < 2e-6
+    scores = onednn_float32.matmul(q, k.transpose(2, 3))
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    exact = q.double() @ k.double().transpose(2, 3)
+    assert scores.shape == exact.shape and ((scores.double() - exact).abs() / exact.abs().amax()).max() < 1e-6

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import compile_policy
+from . import onednn_float32
 from .attention_sdpa import kv_rows, sdpa_prefill
 from .forward_batch import PLACEHOLDER_KEYS, AttentionMetadata
 
@@ -22,10 +23,13 @@ def attend(
     sliding_window: int | torch.Tensor | None,  # a tensor where layers differ (Attention.window)
     float32: bool = False,
     softcap: float | None = None,
+    onednn: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query block over its cached keys; returns (B*L, H*D). `float32`: both
-    products in float32 whatever the cache holds. `softcap`: scores -> tanh(scores / softcap) * softcap."""
+    products in float32 whatever the cache holds. `softcap`: scores -> tanh(scores / softcap) * softcap.
+    `onednn`: float32 products on oneDNN, not MKL (compile_policy.prefill_attention_onednn)."""
     work = torch.float32 if float32 else q.dtype
+    matmul = onednn_float32.matmul if onednn and work == torch.float32 else torch.matmul
     batch, length = token_idx.shape
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
@@ -41,14 +45,14 @@ def attend(
     stale = key_pos[None, :] > q_pos.amax(dim=1)[:, None]  # (B, S)
     v = v_cache.view(-1, n_kv, head_dim)[rows].masked_fill(stale[:, :, None, None], 0)
     v = v.permute(0, 2, 1, 3).to(work)  # (B, Hkv, S, D)
-    scores = torch.matmul(qb, k) * scale
+    scores = matmul(qb, k) * scale
     scores = _softcap(scores, softcap).float().view(batch, n_kv, length, group, s)
     visible = key_pos[None, None, :] <= q_pos[:, :, None]  # (B, L, S)
     if sliding_window is not None:
         visible = visible & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
     scores = scores.masked_fill(~visible[:, None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(work).view(batch, n_kv, length * group, s)
-    out = torch.matmul(probs, v).view(batch, n_kv, length, group, head_dim)
+    out = matmul(probs, v).view(batch, n_kv, length, group, head_dim)
     return out.permute(0, 2, 1, 3, 4).reshape(batch * length, n_heads * head_dim).to(q.dtype)
 
 
@@ -141,7 +145,8 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w, mask,
                                 compile_policy.prefill_attention_float32(q.device, compiled),
                                 compile_policy.prefill_attention_onednn(q.device))
-        return attend(*tensors, scale, w, float32=cpu, softcap=softcap)
+        return attend(*tensors, scale, w, float32=cpu, softcap=softcap,
+                      onednn=compile_policy.prefill_attention_onednn(tensors[0].device))
 
     if not skip:
         return real(*args)

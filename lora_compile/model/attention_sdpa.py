@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import onednn_float32
+
 
 def _gather(cache: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, Hkv, S, D) in `dtype` from a (num_blocks, block_size, Hkv, D) pool: rows (B, S) of the flattened pool
@@ -64,33 +66,6 @@ def prefill_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, group: int,
     return visible[:, None, :, None, :].expand(batch, 1, length, group, s).reshape(batch, 1, length * group, s)
 
 
-# Defined with a plain Library, as packed_gemm's op (a Python kernel the dispatcher calls directly); a FRAGMENT:
-# packed_gemm defines the namespace.
-_LIB = torch.library.Library("lora_compile", "FRAGMENT")
-_LIB.define("sdpa_onednn(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor")
-_MATMUL = torch.backends.mkldnn.matmul
-
-
-def _sdpa_onednn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    # torch's CPU BLAS hands a float32 product to oneDNN only under this setting (compile_policy
-    # .prefill_attention_onednn checked that oneDNN keeps float32 under it here); set for this call only (~1 us).
-    previous = _MATMUL.fp32_precision
-    _MATMUL.fp32_precision = "bf16"
-    try:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    finally:
-        _MATMUL.fp32_precision = previous
-
-
-_LIB.impl("sdpa_onednn", _sdpa_onednn, "CPU")
-
-
-@torch.library.register_fake("lora_compile::sdpa_onednn", lib=_LIB)
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
-
-
 def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_idx: torch.Tensor,
                  q_pos: torch.Tensor, rows: torch.Tensor, key_pos: torch.Tensor, scale: float,
                  sliding_window: int | torch.Tensor | None, mask: torch.Tensor | None = None,
@@ -114,7 +89,7 @@ def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     elif mask.dtype != dtype:  # (additive scores: 0 and -inf are exact in any float dtype)
         mask = mask.to(dtype)
     if onednn and dtype == torch.float32:
-        out = torch.ops.lora_compile.sdpa_onednn(qb, k, v, mask, scale).to(q.dtype)
+        out = onednn_float32.sdpa(qb, k, v, mask, scale).to(q.dtype)
     else:
         out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale).to(q.dtype)
     out = out.view(batch, n_kv, length, group, head_dim)

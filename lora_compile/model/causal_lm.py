@@ -69,8 +69,8 @@ class Attention(nn.Module):
         # compile_policy.attention_backend / prefill_attention_backend: torch's fused kernels, per phase
         self.sdpa = attention_backend == "sdpa"
         self.prefill_sdpa = (prefill_backend or attention_backend) == "sdpa"
-        if self.prefill_sdpa:  # its probe product runs here, eagerly, not while the compiler traces the layer
-            compile_policy.prefill_attention_onednn(torch.device(device))
+        # (its probe product runs here, eagerly, not while the compiler traces the layer)
+        compile_policy.prefill_attention_onednn(torch.device(device))
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.scale = cfg.attention_scale
