@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import cache_root
+from .model import onednn_float32
 from .model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -240,18 +241,12 @@ _ONEDNN_KEEPS_FLOAT32: bool | None = None
 
 
 def _onednn_keeps_float32() -> bool:
-    """A float32 product of values bfloat16 does not hold, under that setting, is float32's (once a process)."""
-    matmul = torch.backends.mkldnn.matmul
+    """A float32 product of values bfloat16 does not hold, through that route, is float32's (once a process)."""
     if not torch.backends.mkldnn.is_available():
         return False
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 64, generator=gen), torch.randn(64, 512, generator=gen)
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"
-    try:
-        got = a @ b
-    finally:
-        matmul.fp32_precision = previous
+    got = onednn_float32.matmul(a, b)
     return bool((got.double() - a.double() @ b.double()).abs().max() < 1e-4)  # bfloat16 inputs: ~1e-2
 
 
