@@ -224,9 +224,9 @@ def prefill_attention_onednn(device: torch.device) -> bool:
     """Whether prompt chunks' float32 attention (torch's CPU flash kernel, or the bmm form of `attend`) runs its
     products through oneDNN rather than MKL's sgemm: where a float32 product stays float32 in oneDNN under
     `fp32_precision = "bf16"`, the one setting under which torch's CPU BLAS and matmul hand float32 products to
-    oneDNN (set for that call only: model.onednn_float32). On an AMD EPYC (AVX-512 with BF16, no AMX) oneDNN ran them as float32 (its
-    avx512_core brgemm; errors against float64 unchanged, operands bfloat16 does not hold included) at 391 GFLOP/s
-    where MKL's sgemm ran 106: the kernel took 0.57-0.61x its time at 512 to 4,000 keys (docs/benchmarks.md
+    oneDNN (set for that call only: model.onednn_float32). On an AMD EPYC (AVX-512 with BF16, no AMX) oneDNN ran
+    them as float32 (its avx512_core brgemm; errors against float64 unchanged, operands bfloat16 does not hold
+    included) at 391 GFLOP/s where MKL's sgemm ran 106: the kernel took 0.57-0.61x its time at 512 to 4,000 keys (docs/benchmarks.md
     section 4). Where oneDNN would round them to bfloat16 (as its AMX kernels may), the probe says so and MKL
     stays."""
     global _ONEDNN_KEEPS_FLOAT32

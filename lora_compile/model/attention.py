@@ -139,14 +139,13 @@ def attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         # Compiled on CPU, float32 products: in bf16 oneDNN takes every bmm above 4096 multiply-adds at ~25 us a
         # call, which a mixed step's small chunks pay; 32 16-token prompts prefill within noise either way.
         tensors, w = (tensors[:-1], tensors[-1]) if window else (tensors, sliding_window)
+        onednn = compile_policy.prefill_attention_onednn(tensors[0].device)
         if sdpa:
             q, k_cache, v_cache, token_idx, q_pos, block_table, key_pos, *given = tensors
             rows, mask = given if derived else (kv_rows(block_table, key_pos, k_cache.shape[1]), None)
             return sdpa_prefill(q, k_cache, v_cache, token_idx, q_pos, rows, key_pos, scale, w, mask,
-                                compile_policy.prefill_attention_float32(q.device, compiled),
-                                compile_policy.prefill_attention_onednn(q.device))
-        return attend(*tensors, scale, w, float32=cpu, softcap=softcap,
-                      onednn=compile_policy.prefill_attention_onednn(tensors[0].device))
+                                compile_policy.prefill_attention_float32(q.device, compiled), onednn)
+        return attend(*tensors, scale, w, float32=cpu, softcap=softcap, onednn=onednn)
 
     if not skip:
         return real(*args)
