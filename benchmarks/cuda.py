@@ -1,13 +1,15 @@
-"""The engine on a GPU: decode throughput per LoRA kernel (EngineConfig.lora_kernel: masked, grouped, indexed) with CUDA
-graphs, base / one adapter / 8 distinct adapters, against transformers + peft's `generate(adapter_names=...)` on
-the same weights; the same steps without graphs (--no-graphs); batch init as a share of a step.
+"""The engine on a GPU: decode throughput per LoRA kernel (EngineConfig.lora_kernel: masked, grouped, indexed,
+gathered, stacked) with CUDA graphs, base / one adapter / 8 distinct adapters, against transformers + peft's
+`generate(adapter_names=...)` on the same weights; the same steps without graphs (--no-graphs); quantized base
+weights (--quantization int8 int4: the first kernel's rows again, against the full-width base); batch init as a
+share of a step.
 
 A Llama-3.2-1B-like random model (benchmarks.common.LLAMA_1B) in bfloat16, rank-16 adapters on all seven
 projections. Every configuration is measured in turn, round after round (benchmarks.common.interleaved), and the
 ratios come from one run.
 
     python -m benchmarks.cuda [--batches 1 8 32 64] [--rounds 3] [--steps 64] [--kernels masked grouped indexed]
-        [--no-graphs] [--peft-batches 8 32] [--prefill 8 64 --prefill 8 256] [--trace DIR]
+        [--no-graphs] [--quantization int8 int4] [--peft-batches 8 32] [--prefill 8 64 --prefill 8 256] [--trace DIR]
 
 --trace DIR: then the GPU's kernel records of decode steps (batches --trace-batches) and of each prefill, per kernel
 (benchmarks.cuda_profile), printed by kernel family and written to DIR.
@@ -39,16 +41,17 @@ PROMPT_LEN = 64
 
 
 def build_engine(model: Path, adapters: dict[str, Path], max_batch: int, cuda_graphs: bool, kernel: str,
-                 attention: str = "auto") -> Engine:
+                 attention: str = "auto", quantization: str = "none") -> Engine:
     engine = Engine(EngineConfig(model=str(model), device="cuda", dtype="bfloat16", max_num_seqs=max_batch,
                                  max_seq_len=512, max_num_batched_tokens=2048, max_loras_per_batch=8,
                                  max_lora_rank=16, cuda_graphs=cuda_graphs, lora_kernel=kernel,
-                                 attention_backend=attention))
+                                 attention_backend=attention, quantization=quantization))
     register_adapters(engine, adapters)
     t0 = time.perf_counter()
     engine.warmup()
-    print(f"engine ({kernel} LoRA, {engine.attention_backend} attention, CUDA graphs "
-          f"{'on' if cuda_graphs else 'off'}): warm-up {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"engine ({engine.lora_kernel} LoRA, {engine.attention_backend} attention, CUDA graphs "
+          f"{'on' if cuda_graphs else 'off'}, weights {quantization}): warm-up {time.perf_counter() - t0:.1f}s",
+          flush=True)
     return engine
 
 
@@ -90,7 +93,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--kernels", nargs="+", default=["masked", "grouped", "indexed"],
-                   choices=["grouped", "masked", "indexed"])
+                   choices=["grouped", "masked", "indexed", "gathered", "stacked"])
+    p.add_argument("--quantization", nargs="*", default=[], choices=["int8", "int4"],
+                   help="also the first kernel's engine with its base weights in these forms (quantized at load)")
     p.add_argument("--prefill", type=int, nargs=2, action="append", metavar=("SEQS", "TOKENS"),
                    help="also one prefill step of SEQS prompts of TOKENS tokens, base and 8 adapters; repeatable "
                         "(default 8 256)")
@@ -115,8 +120,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_lora_adapters(model, Path(tmp), names)
         max_batch = max(args.batches)
-        configs = [(k, True) for k in args.kernels] + ([(args.kernels[0], False)] if args.no_graphs else [])
-        engines = {c: build_engine(model, adapters, max_batch, c[1], c[0], args.attention_backend) for c in configs}
+        # (kernel, CUDA graphs, quantization)
+        configs = ([(k, True, "none") for k in args.kernels] + ([(args.kernels[0], False, "none")] if args.no_graphs
+                                                                else [])
+                   + [(args.kernels[0], True, q) for q in args.quantization])
+        engines = {c: build_engine(model, adapters, max_batch, c[1], c[0], args.attention_backend, c[2])
+                   for c in configs}
         peft = None if args.no_peft or not peft_batches else peft_model(model, adapters)
         inits: dict[str, list[float]] = {}
 
@@ -131,7 +140,7 @@ def main() -> None:
         prefills = args.prefill or [(8, 256)]
         for config in configs:
             for kind in ("base", "8 adapters"):
-                if kind == "base" and config[0] != args.kernels[0]:
+                if kind == "base" and config[0] != args.kernels[0] or config[2] != "none":
                     continue
                 for seqs, length in prefills:
                     # first calls of these sizes (cuBLAS heuristics, allocator growth) outside the measurement
@@ -143,6 +152,8 @@ def main() -> None:
                 for config in configs:
                     if kind == "base" and config[0] != args.kernels[0]:
                         continue  # no LoRA work: the same step whatever the kernel
+                    if config[2] != "none" and kind == "1 adapter":
+                        continue
                     measures[f"ours {config} b{batch} {kind}"] = ours(config, batch, kind)
                 if peft is not None and kind != "1 adapter" and batch in peft_batches:
                     measures[f"peft b{batch} {kind}"] = (
@@ -156,11 +167,12 @@ def main() -> None:
             return run
 
         steps = interleaved({name: printed(name, m) for name, m in measures.items()}, args.rounds)
-    widths = (6, 11, 9, 10, 9, 10, 10, 12, 9, 11)
-    print("\ndecode tok/s (median of rounds), bf16, CUDA graphs; init = batch init / step")
-    print(fmt_row(("batch", "kind", "kernel", "tok/s", "no graphs", "peft", "ours/peft", "vs base", "init",
+    widths = (6, 11, 9, 7, 10, 9, 10, 10, 12, 9, 11)
+    print("\ndecode tok/s (median of rounds), bf16 activations, CUDA graphs; vs base = against the full-width base; "
+          "init = batch init / step")
+    print(fmt_row(("batch", "kind", "kernel", "weights", "tok/s", "no graphs", "peft", "ours/peft", "vs base", "init",
                    "init ms"), widths))
-    first = (args.kernels[0], True)
+    first = (args.kernels[0], True, "none")
     for batch in args.batches:
         base = batch / steps[f"ours {first} b{batch} base"]
         for kind in KINDS:
@@ -169,13 +181,13 @@ def main() -> None:
                 if key not in steps or not config[1]:
                     continue
                 tps = batch / steps[key]
-                off_key = f"ours {(config[0], False)} b{batch} {kind}"
+                off_key = f"ours {(config[0], False, config[2])} b{batch} {kind}"
                 off = f"{batch / steps[off_key]:.0f}" if off_key in steps else "-"
                 peft_key = f"peft b{batch} {kind}"
                 peft_tps = batch / steps[peft_key] if peft_key in steps else None
                 shares = sorted(inits[f"{config} {batch} {kind}"])
                 share = shares[len(shares) // 2]
-                print(fmt_row((batch, kind, config[0] if kind != "base" else "-", f"{tps:.0f}", off,
+                print(fmt_row((batch, kind, config[0] if kind != "base" else "-", config[2], f"{tps:.0f}", off,
                                f"{peft_tps:.0f}" if peft_tps else "-", f"{tps / peft_tps:.1f}x" if peft_tps else "-",
                                f"{tps / base:.2f}x", f"{100 * share:.2f}%",
                                f"{1000 * share * steps[key]:.3f}"), widths))
@@ -195,7 +207,8 @@ def main() -> None:
 
         for config, engine in engines.items():
             if config[1]:
-                trace_engine(engine, f"{config[0]}", args.trace_batches, names, prefills, args.trace)
+                trace_engine(engine, "-".join(c for c in (config[0], config[2]) if c != "none"), args.trace_batches,
+                             names, prefills, args.trace)
 
 
 def prefill_step_time(engine: Engine, seqs: int, adapters: list[str | None], prompt_len: int) -> float:

@@ -107,6 +107,12 @@ def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
 # The kernels that run as GEMMs over the slots: they read B block-diagonal (LoRALinear.block_diagonal_b) and what
 # LoRABatch.derive computes on the device each step.
 GEMM_KERNELS = ("grouped", "masked")
+# The kernels whose expand reads each token's own slot's shrink and B by index (layers._lora_delta_gathered), B
+# compact: "gathered" (a GEMM through every slot's A) and "stacked" (every slot's A stored under the base weight, so
+# the base GEMM gives the shrink too; a quantized projection takes the gathered form). A projection's LoRA is then
+# at most one GEMM and one fused reduction, where "masked" runs three kernels of its own: built for CUDA, where each
+# kernel's launch cost bounds a decode step's LoRA time (docs/benchmarks.md section 9). Not yet measured on a GPU.
+GATHERED_KERNELS = ("gathered", "stacked")
 # The grouped kernel's tensor-core path (CUTLASS, sm90+) needs 16-byte-aligned rows: ranks in multiples of 8 bf16.
 GROUPED_RANK_MULTIPLE = 8
 
@@ -121,7 +127,7 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
     in bfloat16 with long steps grouped (INDEXED_GROUPED: lora_grouped_prefill).
     "grouped" (torch's grouped GEMM over per-slot segments) compiles for bfloat16 only and needs ranks in multiples
     of 8; asked for on the CPU it also runs eagerly in any dtype (how the tests check it against peft)."""
-    if requested in ("indexed", "masked"):  # plain reductions or GEMMs: any device and dtype
+    if requested in ("indexed", "masked", *GATHERED_KERNELS):  # plain reductions or GEMMs: any device and dtype
         return requested
     if requested == "grouped":
         if max_rank % GROUPED_RANK_MULTIPLE or (compiled and dtype != torch.bfloat16):
@@ -248,6 +254,19 @@ def _onednn_keeps_float32() -> bool:
     a, b = torch.randn(256, 64, generator=gen), torch.randn(64, 512, generator=gen)
     got = onednn_float32.matmul(a, b)
     return bool((got.double() - a.double() @ b.double()).abs().max() < 1e-4)  # bfloat16 inputs: ~1e-2
+
+
+def inductor_options(device: torch.device, weight_forms: list[dict]) -> dict:
+    """Inductor settings of the compiled layer stack beyond configure's process-wide ones, decided here.
+
+    On CUDA, where a projection holds int8 codes with a scale a row (quantization.linear: the codes widened to the
+    activations' dtype, then the GEMM), GEMMs are autotuned (`max_autotune_gemm`): Inductor's Triton GEMM templates
+    then take the widening as their prologue (prologue fusion) and read one byte a weight, as torchao's int8
+    weight-only form relies on; without them the step writes the widened weight out and reads it again, more bytes
+    than the bfloat16 weight's. torch's own CUDA int8 weight-only kernel computes each output row apart. Not yet
+    measured on a GPU (docs/benchmarks.md section 9)."""
+    int8_rows = any(f.kind == "int8" and not f.group_size for forms in weight_forms for f in forms.values())
+    return {"max_autotune_gemm": True} if device.type == "cuda" and int8_rows else {}
 
 
 def steady_state(enabled: bool):

@@ -26,7 +26,7 @@ KV_GROWTH_MODES: tuple[str, ...] = get_args(KVGrowth)
 # float32's bytes per token (twice the tokens in one budget), attention still computed in the model's dtype.
 KVCacheDType = Literal["auto", "bfloat16"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)
-LoRAKernel = Literal["auto", "indexed", "grouped", "masked"]
+LoRAKernel = Literal["auto", "indexed", "grouped", "masked", "gathered", "stacked"]
 LORA_KERNELS: tuple[str, ...] = get_args(LoRAKernel)
 AttentionBackend = Literal["auto", "inductor", "sdpa"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
@@ -295,7 +295,9 @@ class EngineConfig:
     # How a step computes its adapters' LoRA deltas (compile_policy.lora_kernel decides "auto"): "indexed", each
     # token reads its own slot's A and B inside one fused reduction (the CPU's form); "grouped", tokens sorted by
     # slot and grouped GEMMs over the slots' segments (CUDA bf16); "masked", two plain GEMMs over every slot with
-    # each token's own slot kept. The last two read each adapter's weights once, on tensor cores.
+    # each token's own slot kept. The last two read each adapter's weights once, on tensor cores. "gathered": one
+    # GEMM through every slot's A, then each token's own shrink and B read by index in one reduction fused with the
+    # add; "stacked": the same with every slot's A stored under the base weight, the shrink inside the base GEMM.
     lora_kernel: LoRAKernel = "auto"
     # How attention reads the paged KV cache (compile_policy.attention_backend and prefill_attention_backend decide
     # "auto" per phase): "inductor", the reductions Inductor generates over the block table (the CPU's decode);

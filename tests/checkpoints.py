@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -183,3 +185,31 @@ def write_chat_template(model_dir: str | os.PathLike, template: str) -> None:
     config = json.loads(path.read_text())
     config["chat_template"] = template
     path.write_text(json.dumps(config, indent=2))
+
+
+_PROJECTION_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+
+
+def dequantised_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, kind: str,
+                           group_size: int = 32) -> Path:
+    """`model_dir`'s checkpoint with every projection weight replaced by what `--quantization kind` holds of it,
+    dequantised (quantization.quantize_int4 / quantize_int8 at load, then QuantizedTensor.dequantize): the reference
+    a quantized engine is compared with. Other tensors, config and tokenizer as they are."""
+    from safetensors.torch import load_file, save_file
+
+    from lora_compile.model.quantization import quantize_int4, quantize_int8
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(src.iterdir()):
+        if path.suffix == ".safetensors":
+            state |= load_file(path)
+        elif path.is_file() and path.name != "model.safetensors.index.json":
+            shutil.copy(path, out / path.name)
+    for name, weight in state.items():
+        if _PROJECTION_WEIGHT.fullmatch(name):
+            qt = quantize_int4(weight, group_size) if kind == "int4" else quantize_int8(weight)
+            state[name] = qt.dequantize().to(weight.dtype)
+    save_file(state, str(out / "model.safetensors"))
+    return out

@@ -72,8 +72,9 @@ def test_padded_decode_steps_give_the_same_tokens(compiled_engines):
 
 @needs_cuda
 @pytest.mark.parametrize("cuda_graphs,lora_kernel,attention", [
-    (True, "auto", "auto"), (False, "auto", "auto"), (True, "indexed", "auto"), (True, "auto", "inductor")],
-    ids=["graphs", "no-graphs", "indexed-graphs", "inductor-attention-graphs"])
+    (True, "auto", "auto"), (False, "auto", "auto"), (True, "indexed", "auto"), (True, "auto", "inductor"),
+    (True, "gathered", "auto"), (True, "stacked", "auto")],
+    ids=["graphs", "no-graphs", "indexed-graphs", "inductor-attention-graphs", "gathered-graphs", "stacked-graphs"])
 def test_cuda_float32_mixed_batch_matches_peft(cuda_engines, models, adapters, cuda_graphs, lora_kernel, attention):
     """Compiled, float32, a batch mixing the base model and three adapters, sequences joining at different steps:
     exactly transformers + peft's greedy tokens on the GPU, close logits."""
@@ -124,7 +125,7 @@ def test_cuda_kernel_policy(cuda_engines):
 
 
 @needs_cuda
-@pytest.mark.parametrize("lora_kernel", ["auto", "grouped"])
+@pytest.mark.parametrize("lora_kernel", ["auto", "grouped", "stacked"])
 def test_cuda_bf16_agrees_with_transformers_bf16(cuda_engines, models, adapters, lora_kernel):
     """bfloat16 (weights, LoRA slots, KV cache), a mixed batch, against transformers + peft given the same prefixes:
     each sequence's first AGREE_FIRST tokens agree with the bf16 reference, and so do at least AGREE_SHARE of all
@@ -135,12 +136,18 @@ def test_cuda_bf16_agrees_with_transformers_bf16(cuda_engines, models, adapters,
     engine = cuda_engines("bfloat16", lora_kernel=lora_kernel)
     print(f"LoRA kernel {engine.lora_kernel}")
     assert engine.model.layers[0].self_attn.k_cache.dtype == torch.bfloat16
+    _assert_bf16_agreement(engine, models["llama"], adapters)
+
+
+def _assert_bf16_agreement(engine: Engine, reference_dir, adapters) -> None:
+    """The bf16 agreement rule above, for `engine` against transformers + peft loading `reference_dir` (the test
+    model, or its dequantised weights for a quantized engine)."""
     tokens, logits = run_joining(engine, PROMPTS, adapters=MIXED, join_at=JOIN_AT)
     agree, exact = [], 0
     for prompt, name, ours, our_logits in zip(PROMPTS, MIXED, tokens, logits):
         adapter_dir = adapters["llama"][name] if name else None
-        ref16 = _teacher_forced_logits(load_reference(models["llama"], adapter_dir, torch.bfloat16, "cuda"), prompt, ours)
-        ref32 = _teacher_forced_logits(load_reference(models["llama"], adapter_dir, torch.float32, "cuda"), prompt, ours)
+        ref16 = _teacher_forced_logits(load_reference(reference_dir, adapter_dir, torch.bfloat16, "cuda"), prompt, ours)
+        ref32 = _teacher_forced_logits(load_reference(reference_dir, adapter_dir, torch.float32, "cuda"), prompt, ours)
         assert len(set(ref32.argmax(-1).tolist())) >= AGREE_FIRST // 2, "degenerate reference: the test proves nothing"
         ok = [_agrees(t, r16, r32) for t, r16, r32 in zip(ours, ref16, ref32)]
         exact += sum(t == int(r.argmax()) for t, r in zip(ours, ref16))
@@ -200,7 +207,7 @@ def _mixed_workload(engine: Engine) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("lora_kernel", ["auto", "grouped"])
+@pytest.mark.parametrize("lora_kernel", ["auto", "grouped", "stacked"])
 def test_cuda_no_host_sync_from_batch_init_through_forward(cuda_engines, monkeypatch, lora_kernel):
     """Under torch.cuda.set_sync_debug_mode("error") every synchronising CUDA call raises. Admission (adapter slot
     loads included), batch init (built ahead too) and the forward run in that mode; only sampling's one read of the

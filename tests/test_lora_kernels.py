@@ -1,16 +1,20 @@
 """The CUDA LoRA kernels, checked on the CPU: "grouped" (layers._lora_delta_grouped: tokens sorted by slot, grouped
 GEMMs over per-slot segments whose ends stay on the device; through torch's own grouped_mm, eagerly: it compiles for
-bfloat16 only) and "masked" (layers._lora_delta_masked: GEMMs over every slot, each token's own kept), each layer
+bfloat16 only), "masked" (layers._lora_delta_masked: GEMMs over every slot, each token's own kept), "gathered" and
+"stacked" (layers._lora_delta_gathered: every slot's shrink in one GEMM, each token's own read back by index), each layer
 against the per-adapter GEMMs and each engine token for token against transformers + peft. tests/test_cuda.py runs
 them compiled on the GPU."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lora_compile import compile_policy
 from lora_compile.model.forward_batch import LoRABatch
-from lora_compile.model.layers import LoRALinear, _lora_delta_grouped, _lora_delta_masked, _lora_delta_segmented
+from lora_compile.model import quantization
+from lora_compile.model.layers import (LoRALinear, _lora_delta_gathered, _lora_delta_grouped, _lora_delta_masked,
+                                       _lora_delta_segmented)
 from tests.conftest import build_engine
 from tests.test_engine_golden import PROMPTS, assert_matches_reference, run_joining
 from tests.test_lora import MIXED
@@ -61,6 +65,54 @@ def test_kernels_equal_per_adapter_gemms(indices):
         assert (delta[idx == 0] == 0).all()
 
 
+@pytest.mark.parametrize("kernel", ["gathered", "stacked"])
+@pytest.mark.parametrize("indices", [[3, 0, 1, 3, 1, 0, 2, 4], [0, 0], [2]], ids=["mixed", "base", "one"])
+def test_gathered_kernels_equal_per_adapter_gemms(kernel, indices):
+    """The "gathered" and "stacked" layers (every slot's shrink in one GEMM, the stacked one's inside the base GEMM;
+    each token's own read back by index in the expand), eager and compiled, give the per-adapter GEMMs' output
+    (float32) and exactly the base output for base-model tokens; "stacked" holds one tensor, its weight and A
+    stack views of it, and the base-only step reads its base rows."""
+    plain = _layer(4, 8, block_diagonal_b=False)
+    torch.manual_seed(0)
+    layer = LoRALinear(32, (24, 8, 8), False, 4, 8, torch.float32, torch.device("cpu"),
+                       stacked_a=kernel == "stacked", gathered=True)
+    layer.weight.copy_(plain.weight)
+    for slot in range(1, 5):
+        layer.load_slot(slot, [(plain.lora_a(slot)[i * 8:(i + 1) * 8], plain.b_matrix(slot)[:, start:end].T)
+                               for i, (start, end) in enumerate(plain._slices)])
+    if kernel == "stacked":
+        stacked = layer.weight_stacked
+        assert stacked.shape == (40 + 5 * 24, 32) and layer.weight.data_ptr() == stacked.data_ptr()
+        assert layer.lora_a_stack.data_ptr() == stacked[40:].data_ptr()
+    else:
+        assert layer.weight_stacked is None
+    x, idx = torch.randn(len(indices), 32), torch.tensor(indices)
+    reference = plain(x, LoRABatch(idx))
+    compiled = torch.compile(lambda x, i: layer(x, LoRABatch(i), compiled=True), fullgraph=True, dynamic=True)
+    for got in (layer(x, LoRABatch(idx)), compiled(x, idx)):
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[idx == 0], x[idx == 0] @ plain.weight.T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer(x, LoRABatch(None)), x @ plain.weight.T, atol=1e-5, rtol=1e-5)
+
+
+def test_stacked_kernel_on_a_quantized_projection_takes_the_gathered_form():
+    """A quantized base weight has no rows to stack A under: the projection keeps its A stack apart and runs the
+    gathered form (a shrink GEMM of its own), with the same deltas."""
+    layer = LoRALinear(32, (24, 8, 8), False, 4, 8, torch.float32, torch.device("cpu"), quant="int8",
+                       stacked_a=True, gathered=True)
+    plain = _layer(4, 8, block_diagonal_b=False)
+    qt = quantization.quantize_int8(plain.weight)
+    layer.load_quantized(qt)
+    for slot in range(1, 5):
+        layer.load_slot(slot, [(plain.lora_a(slot)[i * 8:(i + 1) * 8], plain.b_matrix(slot)[:, start:end].T)
+                               for i, (start, end) in enumerate(plain._slices)])
+    assert layer.weight_stacked is None and layer.weight is None
+    x, idx = torch.randn(6, 32), torch.tensor([1, 0, 4, 2, 3, 1])
+    base = x @ qt.dequantize().T
+    torch.testing.assert_close(layer(x, LoRABatch(idx)) - base, plain(x, LoRABatch(idx)) - x @ plain.weight.T,
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_masked_kernel_isolates_an_overflowing_slot():
     """Another slot's shrink overflowing to inf leaves a token's delta finite: the mask replaces it, never
     multiplies it (0 x inf would be NaN)."""
@@ -69,6 +121,12 @@ def test_masked_kernel_isolates_an_overflowing_slot():
     x = torch.ones(3, 32)
     idx = torch.tensor([1, 2, 3])
     delta = _lora_delta_masked(layer, x, LoRABatch(idx).derive("masked", 5).slot_mask)
+    assert delta[[0, 2]].isfinite().all() and not delta[1].isfinite().all()
+    # The gathered expand reads each token's own slot's shrink only: the overflow stays in its token's row.
+    compact = _layer(4, 8, block_diagonal_b=False)
+    compact.lora_a_stack[2].fill_(3e38)
+    shrink = F.linear(x, compact.lora_a_stack.view(5 * compact.slot_rows, -1))
+    delta = _lora_delta_gathered(compact, shrink, idx)
     assert delta[[0, 2]].isfinite().all() and not delta[1].isfinite().all()
 
 
@@ -85,7 +143,8 @@ def test_kernel_policy():
         compile_policy.lora_kernel("grouped", cpu, f32, 16, compiled=True)
     with pytest.raises(ValueError, match="multiples of 8"):
         compile_policy.lora_kernel("grouped", cpu, bf16, 12, compiled=False)
-    assert compile_policy.lora_kernel("masked", cpu, f32, 12, compiled=True) == "masked"  # plain GEMMs: anywhere
+    for kernel in ("masked", *compile_policy.GATHERED_KERNELS):  # plain GEMMs and reductions: anywhere
+        assert compile_policy.lora_kernel(kernel, cpu, f32, 12, compiled=True) == kernel
     # B chunk-major for the CPU's indexed kernel in bfloat16 only, where every slice divides into chunks.
     sizes, chunk = (576, 192, 192), compile_policy.LORA_B_CHUNK
     assert compile_policy.lora_b_chunk("indexed", cpu, bf16, sizes) == chunk
@@ -110,11 +169,13 @@ def test_attention_backend_policy():
     assert compile_policy.prefill_attention_backend("inductor", None) == "inductor"
 
 
-@pytest.mark.parametrize("kernel", ["grouped", "masked"])
-def test_engine_matches_peft(models, adapters, kernel):
-    """The engine with each kernel (eager, float32), a batch mixing the base model and three adapters of ranks
-    4-16 joining at different steps: exactly transformers + peft's greedy tokens, close logits."""
-    engine = build_engine(models["llama"], adapters["llama"], compile=False, lora_kernel=kernel)
+@pytest.mark.parametrize("kernel,compiled", [("grouped", False), ("masked", False), ("gathered", False),
+                                             ("stacked", False), ("stacked", True)])
+def test_engine_matches_peft(models, adapters, kernel, compiled):
+    """The engine with each kernel (float32; eager, and "stacked" compiled too), a batch mixing the base model and
+    three adapters of ranks 4-16 joining at different steps: exactly transformers + peft's greedy tokens, close
+    logits."""
+    engine = build_engine(models["llama"], adapters["llama"], compile=compiled, lora_kernel=kernel)
     assert engine.model.lora_kernel == kernel
     tokens, logits = run_joining(engine, PROMPTS, adapters=MIXED, join_at=JOIN_AT)
     assert_matches_reference(models["llama"], PROMPTS, tokens, logits,

@@ -33,15 +33,19 @@ def compile_model(model, cache_dir: Path, precompiled: bool = True) -> None:
         return
     if precompiled:
         model._run_layers = precompile.PrecompiledStack(model, layer_stack, compile_policy.mark_dynamic,
-                                                        precompile.stacks_directory(cache_dir))
+                                                        precompile.stacks_directory(cache_dir), _options(model))
     else:
-        compiled = torch.compile(layer_stack, fullgraph=True)
+        compiled = torch.compile(layer_stack, fullgraph=True, options=_options(model))
 
         def traced(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
             compile_policy.mark_dynamic(h, fb)
             return compiled(model, h, *fb.flat())
 
         model._run_layers = traced
+
+
+def _options(model) -> dict:
+    return compile_policy.inductor_options(model.norm.weight.device, model.weight_forms)
 
 
 def compile_head(model) -> None:
@@ -72,7 +76,7 @@ def compile_each_layer(model) -> None:
     2.0 of a 4.1 ms bf16 decode step at batch 8, 1B model: docs/benchmarks.md). A top-level compiled frame writes
     its inputs in place. The frame is traced once per variant (its guards read a layer's shapes, not which layer
     it is); a CUDA graph replays the loop's kernels without the Python, and prefill pays one guard check a layer."""
-    compiled = torch.compile(decoder_layer, fullgraph=True)
+    compiled = torch.compile(decoder_layer, fullgraph=True, options=_options(model))
 
     def run(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return layer_by_layer(model, compiled, h, fb, compile_policy.mark_dynamic)

@@ -76,9 +76,11 @@ class PrecompiledStack:
     Each variant is loaded or compiled on its first call (the engine's warm-up); later calls run the saved
     function, behind its guards only."""
 
-    def __init__(self, model: torch.nn.Module, layer_stack: Callable, mark_dynamic: Callable, directory: Path):
+    def __init__(self, model: torch.nn.Module, layer_stack: Callable, mark_dynamic: Callable, directory: Path,
+                 inductor_options: dict | None = None):
         self.model, self._layer_stack, self._mark_dynamic = model, layer_stack, mark_dynamic
         self.directory = directory
+        self._options = {"guard_filter_fn": _portable_guards, **(inductor_options or {})}  # (compile_policy's)
         self.key = artifact_key(model)
         self._dtype, self._width = model.dtype, (model.config.hidden_size,)
         self._fns: dict[str, Callable] = {}
@@ -108,7 +110,8 @@ class PrecompiledStack:
         if fn is not None:
             self.sources[variant] = "loaded"
         else:
-            compiled = torch.compile(self._layer_stack, fullgraph=True, options={"guard_filter_fn": _portable_guards})
+            # (a copy: torch.compile takes guard_filter_fn out of the dict it is given)
+            compiled = torch.compile(self._layer_stack, fullgraph=True, options=dict(self._options))
             self._mark_dynamic(h, fb)  # for the trace only: the saved guards check sizes, not marks
             try:
                 fn = compiled.aot_compile(((self.model, h, *fb.flat()), {}))

@@ -58,7 +58,8 @@ def _projection(cfg: ModelConfig, path: str, bias: bool, max_loras: int, max_ran
     return LoRALinear(shapes[modules[0]][0], sizes, bias, max_loras, max_rank, dtype, device,
                       block_diagonal_b=lora_kernel in compile_policy.GEMM_KERNELS,
                       b_chunk=compile_policy.lora_b_chunk(lora_kernel, torch.device(device), dtype, sizes),
-                      quant=form.kind, group_size=form.group_size)
+                      quant=form.kind, group_size=form.group_size, stacked_a=lora_kernel == "stacked",
+                      gathered=lora_kernel in compile_policy.GATHERED_KERNELS)
 
 
 class Attention(nn.Module):
@@ -257,7 +258,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         # Each layer's path -> quantization.WeightForm (quantization.plan; part of the saved stack's key).
         self.weight_forms = [dict(f) for f in forms] if forms else [{} for _ in range(cfg.num_hidden_layers)]
-        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: "indexed", "indexed+grouped", "grouped", "masked"
+        self.lora_kernel = lora_kernel  # compile_policy.lora_kernel: indexed, indexed+grouped, grouped, masked, ...
         # Steps of at least this many tokens take the grouped kernel instead (0: never; lora_grouped_prefill).
         self.lora_grouped_from = (compile_policy.LORA_GROUPED_MIN_TOKENS
                                   if compile_policy.lora_grouped_prefill(lora_kernel) else 0)
@@ -353,7 +354,8 @@ class CausalLM(nn.Module):
         seen: set[int] = set()  # (a tied head is the embeddings' tensor)
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
             leaf = name.rpartition(".")[2]
-            if t is None or id(t) in seen or leaf in ("k_cache", "v_cache"):
+            # (weight_stacked holds a projection's weight and its slots' A, each counted as itself)
+            if t is None or id(t) in seen or leaf in ("k_cache", "v_cache", "weight_stacked"):
                 continue
             seen.add(id(t))
             kind = ("packed" if leaf in ("weight_packed", "lm_head_packed")

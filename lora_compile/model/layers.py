@@ -118,6 +118,8 @@ class LoRALinear(nn.Module):
         b_chunk: int = 0,
         quant: str = "none",
         group_size: int = 0,
+        stacked_a: bool = False,
+        gathered: bool = False,
     ):
         super().__init__()
         self.output_sizes = tuple(output_sizes)  # the one table every slice of this layer derives from
@@ -130,11 +132,20 @@ class LoRALinear(nn.Module):
         n_stored = max_loras + 1  # slot 0, the base model's zero rows, + device slots 1..max_loras
         # The base weight in one form (quantization): full width, or packed codes and their scales (load_quantized).
         self.quant, self.group_size = quant, group_size
+        # The "stacked" LoRA kernel (full-width weights only): every slot's A rows stored under the base weight's,
+        # one tensor, so that one GEMM gives a token's base output and its shrink through every slot at once
+        # (_lora_delta_gathered). `weight` and `lora_a_stack` are then views of it, which the step never reads:
+        # it reads weight_stacked alone (a compiled region's inputs may not alias one another).
+        stacked_rows = n_stored * self.slot_rows if stacked_a and quant == "none" else 0
+        stacked = (torch.zeros(out_features + stacked_rows, in_features, dtype=dtype, device=device) if stacked_rows
+                   else None)
         if quant == "none":
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                       requires_grad=False)
+            weight = (_rows_of(stacked, 0, (out_features, in_features)) if stacked_rows
+                      else torch.empty(out_features, in_features, dtype=dtype, device=device))
+            self.weight = nn.Parameter(weight, requires_grad=False)
         else:
             self.register_parameter("weight", None)
+        self.register_buffer("weight_stacked", stacked, persistent=False)
         self.register_buffer("qweight", None, persistent=False)
         self.register_buffer("qscales", None, persistent=False)
         # The group size as a tensor too, which Inductor's AMX template for int4 reads (quantization.amx_tiles).
@@ -143,12 +154,11 @@ class LoRALinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
-        # Its own storage, not rows appended to the weight: the compiled layer is a nested region, and a region's
-        # inputs may not alias one another.
-        self.register_buffer(
-            "lora_a_stack", torch.zeros(n_stored, self.slot_rows, in_features, dtype=dtype, device=device),
-            persistent=False,
-        )
+        # Its own storage, not rows appended to the weight (except stacked, above): the compiled layer is a nested
+        # region, and a region's inputs may not alias one another.
+        a_stack = (_rows_of(stacked, out_features, (n_stored, self.slot_rows, in_features)) if stacked_rows
+                   else torch.zeros(n_stored, self.slot_rows, in_features, dtype=dtype, device=device))
+        self.register_buffer("lora_a_stack", a_stack, persistent=False)
         self.register_buffer("output_offset", offsets.to(device), persistent=False)
         # output_offset's only reader, at construction: no step needs offsets as a tensor (docs/architecture.md).
         bounds = offsets.tolist()
@@ -168,6 +178,9 @@ class LoRALinear(nn.Module):
         self.register_buffer("dora_scale", torch.ones(n_stored, out_features, dtype=dtype, device=device),
                              persistent=False)
         self.max_loras = max_loras
+        # The "gathered" and "stacked" kernels' expand (_lora_delta_gathered): each token's own slot's shrink and B
+        # read by index inside one reduction (compile_policy.GATHERED_KERNELS).
+        self.gathered = gathered
         # oneDNN-packed copy of the base weight (CPU float32, see packed_gemm), set by prepack() after loading;
         # while a lone adapter runs merged (lora/merge.py), weight_packed is that adapter's merged pack.
         self.register_buffer("weight_packed", None, persistent=False)
@@ -224,9 +237,11 @@ class LoRALinear(nn.Module):
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         """x·Wᵀ, without the bias."""
-        if self.weight is None:
+        if self.quant != "none":  # (not `self.weight is None`: a stacked weight is an alias the step must not read)
             return quantization.linear(x, self.quant, self.qweight, self.qscales, self.group_size,
                                        padding_rows=DUMMY_TOKENS, group=self.qgroup)
+        if self.weight_stacked is not None:  # (the step reads the stacked tensor alone: the weight is a view of it)
+            return linear(x, self.weight_stacked[:self.out_features], self.weight_packed)
         return linear(x, self.weight, self.weight_packed)
 
     def _biased(self, y: torch.Tensor) -> torch.Tensor:
@@ -251,19 +266,33 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch, compiled: bool = False) -> torch.Tensor:
         """`compiled`: inside a compiled graph (ForwardBatch.compiled), where the indexed LoRA form is the cheap one.
         A batch with segments (the grouped kernel, compile_policy.lora_kernel) takes grouped GEMMs, compiled or not."""
-        base = self._base(x)
         if lora.weight_indices is None:  # base-model-only step: its own graph, with no LoRA work at all
-            return self._biased(base)
-        if lora.segment_offsets is not None:
-            delta = _lora_delta_grouped(self, x, lora, compiled)
-        elif lora.slot_mask is not None:
-            delta = _lora_delta_masked(self, x, lora.slot_mask)
+            return self._biased(self._base(x))
+        if self.weight_stacked is not None:  # one GEMM: the base output, then every slot's shrink beside it
+            # F.linear's row-major output: packed_gemm's float32 CPU form ((W x^T)^T, columns outermost), sliced
+            # and reshaped inside the compiled stack's layer region, gave wrong tokens on torch 2.13's CPU.
+            both = F.linear(x, self.weight_stacked)
+            base = both[:, :self.out_features]
+            delta = _lora_delta_gathered(self, both[:, self.out_features:], lora.weight_indices)
         else:
-            delta = (_lora_delta_indexed if compiled else _lora_delta_segmented)(self, x, lora.weight_indices)
+            base = self._base(x)
+            delta = self._delta(x, lora, compiled)
         # DoRA as PEFT computes it: x·Wᵀ + bias + ((g - 1) ⊙ x·Wᵀ + g ⊙ Δ). Where g is 1 (plain LoRA, the base)
         # that is x·Wᵀ + bias + Δ to the last bit, as before DoRA; Inductor fuses it into the add it replaces.
         g = self.dora_scale[lora.weight_indices]
         return self._biased(base) + ((g - 1) * base + g * delta)
+
+    def _delta(self, x: torch.Tensor, lora: LoRABatch, compiled: bool) -> torch.Tensor:
+        """The step's LoRA delta by the model's kernel, the base product apart."""
+        if self.gathered:  # every slot's shrink in one GEMM, each token's own read back in the expand
+            slots = self.lora_a_stack.shape[0]
+            return _lora_delta_gathered(self, F.linear(x, self.lora_a_stack.view(slots * self.slot_rows, -1)),
+                                        lora.weight_indices)
+        if lora.segment_offsets is not None:
+            return _lora_delta_grouped(self, x, lora, compiled)
+        if lora.slot_mask is not None:
+            return _lora_delta_masked(self, x, lora.slot_mask)
+        return (_lora_delta_indexed if compiled else _lora_delta_segmented)(self, x, lora.weight_indices)
 
     @torch.no_grad()
     def load_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None],
@@ -308,6 +337,13 @@ class LoRALinear(nn.Module):
         self.lora_a(slot).zero_()
         self.lora_b[slot].zero_()
         self.dora_scale[slot].fill_(1)
+
+
+def _rows_of(stacked: torch.Tensor, first_row: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over `stacked`'s memory from row `first_row` on, contiguous, of `shape`: the same memory, but not a
+    view in autograd's sense (no _base), which the compiler would follow to the whole stacked tensor."""
+    alias = torch.empty(0, dtype=stacked.dtype, device=stacked.device)
+    return alias.set_(stacked.untyped_storage(), stacked.storage_offset() + first_row * stacked.shape[1], shape)
 
 
 def _lora_delta_indexed(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
@@ -389,6 +425,23 @@ def _lora_delta_masked(layer: LoRALinear, x: torch.Tensor, slot_mask: torch.Tens
     shrink = F.linear(x, layer.lora_a_stack.view(slots * rows, -1)).view(tokens, slots, rows)
     shrink = torch.where(slot_mask[:, :, None], shrink, 0).view(tokens, slots * rows)
     return shrink @ layer.lora_b.view(slots * rows, -1)
+
+
+def _lora_delta_gathered(layer: LoRALinear, shrink: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
+    """The expand of the "gathered" and "stacked" kernels (CUDA): `shrink` (T, slots·c·r) is every token through
+    every slot's A (one GEMM, or columns of the base GEMM's output: LoRALinear.weight_stacked); each output reads
+    its token's own slot's r shrink values and r rows of B by index and sums them, in one reduction that Inductor
+    fuses with the add into the base output. So a projection's LoRA costs at most one GEMM and no kernel of its own
+    beyond that reduction, where "masked" runs three (shrink GEMM, mask, expand GEMM over every slot). No mask:
+    another slot's shrink is never read, so its overflow cannot reach this token. B compact, (slots, r, out)."""
+    tokens, c, r = shrink.shape[0], len(layer.output_sizes), layer.max_rank
+    outputs = torch.arange(layer.out_features, device=shrink.device)
+    part = sum((outputs >= start).long() for start, _ in layer._slices[1:]) if c > 1 else torch.zeros_like(outputs)
+    own = shrink.reshape(tokens, -1, c, r)[torch.arange(tokens, device=shrink.device)[:, None],
+                                           weight_indices[:, None], part[None, :]]  # (T, out, r): indexing, fused
+    b = layer.lora_b[weight_indices].transpose(1, 2)  # (T, out, r)
+    # Summed in float32, rounded once (compiled, Inductor's reductions do so anyway; eager would round each product).
+    return (own.float() * b.float()).sum(-1).to(shrink.dtype)
 
 
 def _lora_delta_segmented(layer: LoRALinear, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
