@@ -340,8 +340,8 @@ class LoRALinear(nn.Module):
 
 
 def _rows_of(stacked: torch.Tensor, first_row: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor over `stacked`'s memory from row `first_row` on, contiguous, of `shape`: the same memory, but not a
-    view in autograd's sense (no _base), which the compiler would follow to the whole stacked tensor."""
+    """A tensor over `stacked`'s memory from row `first_row` on, contiguous, of `shape`: the same memory, made with
+    set_ rather than by slicing, so that the weight Parameter is not a view whose base is the whole stacked tensor."""
     alias = torch.empty(0, dtype=stacked.dtype, device=stacked.device)
     return alias.set_(stacked.untyped_storage(), stacked.storage_offset() + first_row * stacked.shape[1], shape)
 
@@ -435,6 +435,8 @@ def _lora_delta_gathered(layer: LoRALinear, shrink: torch.Tensor, weight_indices
     beyond that reduction, where "masked" runs three (shrink GEMM, mask, expand GEMM over every slot). No mask:
     another slot's shrink is never read, so its overflow cannot reach this token. B compact, (slots, r, out)."""
     tokens, c, r = shrink.shape[0], len(layer.output_sizes), layer.max_rank
+    # Each output's slice, from the slices' bounds (Python ints): compiled, an index computed in the kernel, no
+    # tensor read or copied.
     outputs = torch.arange(layer.out_features, device=shrink.device)
     part = sum((outputs >= start).long() for start, _ in layer._slices[1:]) if c > 1 else torch.zeros_like(outputs)
     own = shrink.reshape(tokens, -1, c, r)[torch.arange(tokens, device=shrink.device)[:, None],
