@@ -109,9 +109,11 @@ def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
 GEMM_KERNELS = ("grouped", "masked")
 # The kernels whose expand reads each token's own slot's shrink and B by index (layers._lora_delta_gathered), B
 # compact: "gathered" (a GEMM through every slot's A) and "stacked" (every slot's A stored under the base weight, so
-# the base GEMM gives the shrink too; a quantized projection takes the gathered form). A projection's LoRA is then
-# at most one GEMM and one fused reduction, where "masked" runs three kernels of its own: built for CUDA, where each
-# kernel's launch cost bounds a decode step's LoRA time (docs/benchmarks.md section 9). Not yet measured on a GPU.
+# the base GEMM gives the shrink too; a quantized projection takes the gathered form). In Inductor's code for a
+# compiled layer, against a base-model step, masked adds 8 GEMMs and 4 kernels, gathered 4 GEMMs, stacked nothing
+# (the expand fused into kernels the layer runs anyway; counted on the CPU: python -m benchmarks.lora_kernel_count).
+# Built for CUDA, where each kernel's launch bounds a decode step's LoRA time (docs/benchmarks.md section 9); not
+# yet measured on a GPU.
 GATHERED_KERNELS = ("gathered", "stacked")
 # The grouped kernel's tensor-core path (CUTLASS, sm90+) needs 16-byte-aligned rows: ranks in multiples of 8 bf16.
 GROUPED_RANK_MULTIPLE = 8

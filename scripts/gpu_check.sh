@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh STAGE [LOG_DIR]      STAGE: tests | bench | paged | trace | all
 #
 # tests: tests/test_cuda.py and tests/test_cuda_quantized.py (4 workers; the CPU half of padded_decode left out).
-# bench: decode and prefill per LoRA kernel (masked, the CUDA default; stacked; gathered) and quantized weights,
+# bench: a compiled layer's kernels per LoRA kernel (benchmarks.lora_kernel_count), then decode and prefill per
+#        LoRA kernel (masked, the CUDA default; stacked; gathered) and quantized weights,
 #        then the last GPU run's tree, base and masked, in the same call (its base is the bar for this one's).
 # paged: the paged KV cache's decode step against the slot cache's tree (benchmarks.paged_decode).
 # trace: where a batch-8 decode step's GPU time goes, masked against stacked, by kernel family (benchmarks.cuda_profile).
@@ -25,10 +26,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$logs/gpu.txt"
 
 run_tests() {
-  timeout 330 python3 -m pytest -q -n 4 --dist load -p no:cacheprovider -k "not padded_decode" \
+  timeout 330 python3 -m pytest -v -n 4 --dist load -p no:cacheprovider -k "not padded_decode" \
     tests/test_cuda.py tests/test_cuda_quantized.py -rA 2>&1 | tee "$logs/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|tie|DIFFERS"
 }
 run_bench() {
+  timeout 90 python3 -m benchmarks.lora_kernel_count 2>&1 | tee "$logs/kernel-count.log"
   timeout 300 python3 -m benchmarks.cuda --batches 8 32 64 --rounds 2 --steps 32 --kernels masked stacked gathered \
     --quantization int8 int4 --no-peft --prefill 8 64 --prefill 8 256 2>&1 | tee "$logs/bench.log"
   (cd .gpu/trees/last-gpu-run && PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD timeout 150 python3 -m benchmarks.cuda --batches 8 32 64 \

@@ -71,6 +71,8 @@ RUNS = {
                         "--min-output", "2", "--max-output", "4", "--adapters", "1", "--old-slots", "2",
                         "--old-seq-len", "64", *EAGER_TINY), r"a: +[\d.]+ out tok/s"),
     "lora": Run(("--batches", "2", "--steps", "2", "--rounds", "1", "--no-peft", *EAGER_TINY), r"[\d.]+% of step"),
+    # What it counts is Inductor's code: compiled by nature (two 2-layer engines).
+    "lora_kernel_count": Run(("--kernels", "stacked"), r"stacked +\d+ +\d+ +\+\d+ calls"),
     "lora_layer": Run(("--tokens", "9", "--rounds", "1", "--calls", "2", "--no-compile"),
                       r"B chunk-major, grouped order +[\d.]+"),
     # Two adapters: the steady-state measurement merges a0 again after the last one (a1) was merged.
