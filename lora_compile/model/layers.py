@@ -134,8 +134,8 @@ class LoRALinear(nn.Module):
         self.quant, self.group_size = quant, group_size
         # The "stacked" LoRA kernel (full-width weights only): every slot's A rows stored under the base weight's,
         # one tensor, so that one GEMM gives a token's base output and its shrink through every slot at once
-        # (_lora_delta_gathered). `weight` and `lora_a_stack` are then views of it, which the step never reads:
-        # it reads weight_stacked alone (a compiled region's inputs may not alias one another).
+        # (_lora_delta_gathered). `weight` and `lora_a_stack` are then tensors over its memory (_rows_of), which the
+        # step never reads: it reads weight_stacked alone (a compiled region's inputs may not alias one another).
         stacked_rows = n_stored * self.slot_rows if stacked_a and quant == "none" else 0
         stacked = (torch.zeros(out_features + stacked_rows, in_features, dtype=dtype, device=device) if stacked_rows
                    else None)
@@ -240,7 +240,7 @@ class LoRALinear(nn.Module):
         if self.quant != "none":  # (not `self.weight is None`: a stacked weight is an alias the step must not read)
             return quantization.linear(x, self.quant, self.qweight, self.qscales, self.group_size,
                                        padding_rows=DUMMY_TOKENS, group=self.qgroup)
-        if self.weight_stacked is not None:  # (the step reads the stacked tensor alone: the weight is a view of it)
+        if self.weight_stacked is not None:  # (the step reads the stacked tensor alone: the weight is its first rows)
             return linear(x, self.weight_stacked[:self.out_features], self.weight_packed)
         return linear(x, self.weight, self.weight_packed)
 
