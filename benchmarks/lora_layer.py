@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from lora_compile import compile_policy
-from lora_compile.model.layers import LoRALinear, _lora_delta_indexed
+from lora_compile.model import lora_deltas
+from lora_compile.model.layers import LoRALinear
 from lora_compile.model.packed_gemm import packed_linear, plain_linear, prepack
 
 SHAPES = [(576, (576, 192, 192)), (576, (576,)), (576, (1536, 1536)), (1536, (576,))]
@@ -82,7 +83,7 @@ def base(layer, x):
 
 
 def indexed(layer, x, w, mask):
-    return base(layer, x) + _lora_delta_indexed(layer, x, w)
+    return base(layer, x) + lora_deltas.indexed(layer, x, w)
 
 
 def indexed_out_major(layer, x, w, mask):  # the indexed form on B as (out, slot, rank): a reduction per output
@@ -104,11 +105,11 @@ def shrink_in_base_gemm(layer, x, w, mask):
 
 
 def b_chunk_major(layer, x, w, mask):  # the engine's CPU form in bfloat16 (LoRALinear.b_chunk)
-    return base(layer, x) + _lora_delta_indexed(layer.chunk_major, x, w)
+    return base(layer, x) + lora_deltas.indexed(layer.chunk_major, x, w)
 
 
 def lora_alone(layer, x, w, mask):  # the LoRA delta only: no base GEMM streams its weights through the caches
-    return _lora_delta_indexed(layer, x, w)
+    return lora_deltas.indexed(layer, x, w)
 
 
 def masked_one_slot(layer, x, w, mask):  # mask: (T, 1), slot 1

@@ -8,7 +8,7 @@ Prints, per dtype:
 - stream: the read bandwidth of code Inductor generates on this machine (a row sum over 600 MB), the most any
   memory-bound kernel of ours can read;
 - per token count (a decode step of batch B runs B + 1 tokens), the engine's compiled LoRA delta
-  (lora_compile.model.layers._lora_delta_indexed, B laid out as compile_policy.lora_b_chunk chooses) over --copies times
+  (lora_compile.model.lora_deltas.indexed, B laid out as compile_policy.lora_b_chunk chooses) over --copies times
   30 layers of SmolLM2-135M's projections with 8 adapters of rank 16 mixed over the tokens, adapters' tokens
   adjacent as the engine lays out a step. Its weights exceed the caches, so they come from memory, as in a step.
   Shown: ms per 30 layers (one step's LoRA work), GB/s of adapter weights read and its share of the stream figure,
@@ -29,7 +29,8 @@ from benchmarks import cpu_report
 from benchmarks.common import interleaved, per_call_us
 from benchmarks.lora_layer import RANK, SHAPES, SLOTS
 from lora_compile import compile_policy
-from lora_compile.model.layers import LoRALinear, _lora_delta_indexed
+from lora_compile.model import lora_deltas
+from lora_compile.model.layers import LoRALinear
 from service import allocator
 
 LAYERS = 30  # SmolLM2-135M's decoder layers: one step's LoRA work
@@ -66,10 +67,10 @@ def lora_delta_fn(layers: list[LoRALinear], compile: bool = True):
     """One compiled call over every layer, as the step makes it: the delta a nested region, traced once per
     projection shape (the key) and called for every layer."""
     region = torch.compiler.nested_compile_region(
-        lambda layer, x, w: _lora_delta_indexed(layer, x, w),
+        lambda layer, x, w: lora_deltas.indexed(layer, x, w),
         reuse_hash_fn=lambda layer, *_: SHAPES.index((layer.in_features, layer.output_sizes)))
     if not compile:
-        return lambda xs, w: [_lora_delta_indexed(layer, xs[layer.in_features], w) for layer in layers]
+        return lambda xs, w: [lora_deltas.indexed(layer, xs[layer.in_features], w) for layer in layers]
     return torch.compile(lambda xs, w: [region(layer, xs[layer.in_features], w) for layer in layers])
 
 

@@ -107,7 +107,7 @@ def mark_dynamic(h: torch.Tensor, fb: ForwardBatch) -> None:
 # The kernels that run as GEMMs over the slots: they read B block-diagonal (LoRALinear.block_diagonal_b) and what
 # LoRABatch.derive computes on the device each step.
 GEMM_KERNELS = ("grouped", "masked")
-# The kernels whose expand reads each token's own slot's shrink and B by index (layers._lora_delta_gathered), B
+# The kernels whose expand reads each token's own slot's shrink and B by index (lora_deltas.gathered), B
 # compact: "gathered" (a GEMM through every slot's A) and "stacked" (every slot's A stored under the base weight, so
 # the base GEMM gives the shrink too; a quantized projection takes the gathered form). In Inductor's code for a
 # compiled layer, against a base-model step, masked adds 8 GEMMs and 4 kernels, gathered 4 GEMMs, stacked nothing
@@ -146,7 +146,7 @@ def lora_kernel(requested: str, device: torch.device, dtype: torch.dtype, max_ra
 # The CPU's "auto" kernel in bfloat16: indexed, with the shrink grouped in steps of at least LORA_GROUPED_MIN_TOKENS
 # tokens (a prefill chunk's), where the indexed reductions cost most: 8 x 1,000-token prompts with 8 distinct adapters
 # took 1.34x the base model's time indexed, 1.25x with the shrink grouped (Xeon; the expand grouped per slice too
-# since, layers._expand_grouped_compact: 7.03 -> 6.75 s on an EPYC), while decode steps with 8 adapters
+# since, lora_deltas._expand_grouped_compact: 7.03 -> 6.75 s on an EPYC), while decode steps with 8 adapters
 # ran 2.2-2.8x slower grouped (docs/benchmarks.md). Grouped GEMMs compile for bfloat16 only, ranks in multiples of 8.
 # ("indexed" asked for by name is indexed in every step.)
 INDEXED_GROUPED = "indexed+grouped"

@@ -1,7 +1,7 @@
-"""The CUDA LoRA kernels, checked on the CPU: "grouped" (layers._lora_delta_grouped: tokens sorted by slot, grouped
+"""The CUDA LoRA kernels, checked on the CPU: "grouped" (lora_deltas.grouped: tokens sorted by slot, grouped
 GEMMs over per-slot segments whose ends stay on the device; through torch's own grouped_mm, eagerly: it compiles for
-bfloat16 only), "masked" (layers._lora_delta_masked: GEMMs over every slot, each token's own kept), "gathered" and
-"stacked" (layers._lora_delta_gathered: every slot's shrink in one GEMM, each token's own read back by index), each layer
+bfloat16 only), "masked" (lora_deltas.masked: GEMMs over every slot, each token's own kept), "gathered" and
+"stacked" (lora_deltas.gathered: every slot's shrink in one GEMM, each token's own read back by index), each layer
 against the per-adapter GEMMs and each engine token for token against transformers + peft. tests/test_cuda.py runs
 them compiled on the GPU."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from lora_compile import compile_policy
 from lora_compile.model.forward_batch import LoRABatch
 from lora_compile.model import quantization
-from lora_compile.model.layers import (LoRALinear, _lora_delta_gathered, _lora_delta_grouped, _lora_delta_masked,
-                                       _lora_delta_segmented)
+from lora_compile.model import lora_deltas
+from lora_compile.model.layers import LoRALinear
 from tests.conftest import build_engine
 from tests.test_engine_golden import PROMPTS, assert_matches_reference, run_joining
 from tests.test_lora import MIXED
@@ -47,9 +47,9 @@ def test_kernels_equal_per_adapter_gemms(indices):
     torch.testing.assert_close(compact.merged_weight(3), block.merged_weight(3))  # same adapters, other layout
     x = torch.randn(len(indices), 32)
     idx = torch.tensor(indices)
-    reference = _lora_delta_segmented(compact, x, idx)
+    reference = lora_deltas.segmented(compact, x, idx)
     assert reference.abs().max() > 1  # the adapters change something
-    torch.testing.assert_close(_lora_delta_segmented(block, x, idx), reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lora_deltas.segmented(block, x, idx), reference, atol=1e-5, rtol=1e-5)
     lora = LoRABatch(idx).derive("grouped", block.max_loras + 1)
     assert lora.segment_offsets.tolist() == torch.bincount(idx, minlength=5).cumsum(0).tolist()
     assert torch.equal(idx[lora.token_order], idx.sort(stable=True).values)
@@ -58,9 +58,9 @@ def test_kernels_equal_per_adapter_gemms(indices):
     # The CPU's long steps (INDEXED_GROUPED): the grouped shrink over the compact B's layer, then the expand
     # grouped per output slice compiled (B compact, or chunk-major as in bfloat16), per adapter eager.
     chunked = _layer(4, 8, block_diagonal_b=False, b_chunk=8)
-    grouped_shrinks = [_lora_delta_grouped(layer, x, lora, compiled)
+    grouped_shrinks = [lora_deltas.grouped(layer, x, lora, compiled)
                        for layer, compiled in ((compact, True), (chunked, True), (compact, False))]
-    for delta in (_lora_delta_grouped(block, x, lora), _lora_delta_masked(block, x, masks), *grouped_shrinks):
+    for delta in (lora_deltas.grouped(block, x, lora), lora_deltas.masked(block, x, masks), *grouped_shrinks):
         torch.testing.assert_close(delta, reference, atol=1e-5, rtol=1e-5)
         assert (delta[idx == 0] == 0).all()
 
@@ -120,13 +120,13 @@ def test_masked_kernel_isolates_an_overflowing_slot():
     layer.lora_a_stack[2].fill_(3e38)
     x = torch.ones(3, 32)
     idx = torch.tensor([1, 2, 3])
-    delta = _lora_delta_masked(layer, x, LoRABatch(idx).derive("masked", 5).slot_mask)
+    delta = lora_deltas.masked(layer, x, LoRABatch(idx).derive("masked", 5).slot_mask)
     assert delta[[0, 2]].isfinite().all() and not delta[1].isfinite().all()
     # The gathered expand reads each token's own slot's shrink only: the overflow stays in its token's row.
     compact = _layer(4, 8, block_diagonal_b=False)
     compact.lora_a_stack[2].fill_(3e38)
     shrink = F.linear(x, compact.lora_a_stack.view(5 * compact.slot_rows, -1))
-    delta = _lora_delta_gathered(compact, shrink, idx)
+    delta = lora_deltas.gathered(compact, shrink, idx)
     assert delta[[0, 2]].isfinite().all() and not delta[1].isfinite().all()
 
 

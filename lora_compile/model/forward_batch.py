@@ -67,7 +67,7 @@ class LoRABatch:
     # device slots 1..max_loras_per_batch. None when no token of the step uses an adapter.
     weight_indices: torch.Tensor | None = dynamic(0)
     # Derived from weight_indices on the device once per step (derive()), never copied from the host; None unless
-    # the model's LoRA kernel reads them (layers._lora_delta_grouped, _lora_delta_masked).
+    # the model's LoRA kernel reads them (lora_deltas.grouped, lora_deltas.masked).
     token_order: torch.Tensor | None = dynamic(0, default=None)    # (T,) tokens sorted by slot, stable
     token_inverse: torch.Tensor | None = dynamic(0, default=None)  # (T,) each token's row in that order
     segment_offsets: torch.Tensor | None = None                    # (slots,) int32: where each slot's segment ends
