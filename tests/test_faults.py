@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from service.client import (
     UnauthenticatedError,
 )
 from tests.client_loop import ClientLoop
+from tests.replicas import free_port
 from tests.service_harness import BackgroundStream, ServerThread, build_engine, demo_paths, shared_engine, wait_for
 from tests.test_service_process import ServeProcess
 
@@ -183,6 +186,19 @@ async def _stream(stub, i: int, timeout: float, started: threading.Event | None 
     return grpc.StatusCode.OK, tokens, last
 
 
+def _wait_for_waiting(http_port: int, count: int, timeout: float) -> bool:
+    """Whether the server's waiting queue held `count` requests within `timeout` s (its Prometheus gauge,
+    num_requests_waiting, polled on its HTTP door)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=timeout) as response:
+            waiting = re.search(r"num_requests_waiting(?:\{[^}]*\})? ([\d.]+)", response.read().decode())
+        if waiting and float(waiting.group(1)) >= count:
+            return True
+        time.sleep(0.005)
+    return False
+
+
 def _measured_drain_rate() -> float:
     """Tokens per second a server with the load's flags produces on the load's mix of adapters, two batches'
     worth of streams at once: measured here, now, on this machine, however loaded it is."""
@@ -215,8 +231,9 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path, monkeypatch):
     rate = _measured_drain_rate()
     drain_need = sum(sorted(map(_new_tokens, range(STREAMS)))[-(BATCH + QUEUE):]) / rate
     grace = round(max(30.0, 10 * drain_need), 1)
-    step = BATCH / rate  # seconds per full-batch step
-    server = ServeProcess(*SERVE_FLAGS, "--grace-period", str(grace), "--adapter-root", str(root))
+    http_port = free_port()  # (its /metrics says when the queue is full)
+    server = ServeProcess(*SERVE_FLAGS, "--grace-period", str(grace), "--adapter-root", str(root),
+                          "--http-port", str(http_port))
     _, adapters = demo_paths()
     try:
         outside = tmp_path / "outside"
@@ -236,7 +253,11 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path, monkeypatch):
                 stub = pb_grpc.GenerationStub(channel)
                 tasks = [asyncio.create_task(_stream(stub, i, 2 * grace, started)) for i in range(STREAMS)]
                 assert await asyncio.to_thread(started.wait, grace), "no stream started"
-                await asyncio.sleep(3 * step)  # a few steps into the batch, most streams still queued
+                # SIGTERM once the server holds a full batch's worth less than a full queue: every stream it holds
+                # then must finish. (A fixed few steps' wait assumed every stream had reached it by then: under a
+                # busy neighbour only 27 had.)
+                assert await asyncio.to_thread(_wait_for_waiting, http_port, QUEUE - BATCH, grace), \
+                    "the queue never filled"
                 t0 = time.monotonic()
                 server.proc.send_signal(signal.SIGTERM)
                 outcomes.extend(await asyncio.gather(*tasks))
