@@ -140,7 +140,7 @@ def main() -> None:
         prefills = args.prefill or [(8, 256)]
         for config in configs:
             for kind in ("base", "8 adapters"):
-                if kind == "base" and config[0] != args.kernels[0] or config[2] != "none":
+                if (kind == "base" and config[0] != args.kernels[0]) or config[2] != "none":  # (prefill: full width)
                     continue
                 for seqs, length in prefills:
                     # first calls of these sizes (cuBLAS heuristics, allocator growth) outside the measurement

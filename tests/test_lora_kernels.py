@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lora_compile import compile_policy
 from lora_compile.model.forward_batch import LoRABatch
@@ -65,21 +64,27 @@ def test_kernels_equal_per_adapter_gemms(indices):
         assert (delta[idx == 0] == 0).all()
 
 
+def _load_slots_of(layer: LoRALinear, plain: LoRALinear) -> None:
+    """`plain`'s four adapters loaded into `layer`'s slots (whatever its layout)."""
+    r = plain.max_rank
+    for slot in range(1, plain.max_loras + 1):
+        layer.load_slot(slot, [(plain.lora_a(slot)[i * r:(i + 1) * r], plain.b_matrix(slot)[:, start:end].T)
+                               for i, (start, end) in enumerate(plain._slices)])
+
+
 @pytest.mark.parametrize("kernel", ["gathered", "stacked"])
 @pytest.mark.parametrize("indices", [[3, 0, 1, 3, 1, 0, 2, 4], [0, 0], [2]], ids=["mixed", "base", "one"])
 def test_gathered_kernels_equal_per_adapter_gemms(kernel, indices):
     """The "gathered" and "stacked" layers (every slot's shrink in one GEMM, the stacked one's inside the base GEMM;
     each token's own read back by index in the expand), eager and compiled, give the per-adapter GEMMs' output
     (float32) and exactly the base output for base-model tokens; "stacked" holds one tensor, its weight and A
-    stack views of it, and the base-only step reads its base rows."""
+    stack over its memory, and the base-only step reads its base rows."""
     plain = _layer(4, 8, block_diagonal_b=False)
     torch.manual_seed(0)
     layer = LoRALinear(32, (24, 8, 8), False, 4, 8, torch.float32, torch.device("cpu"),
                        stacked_a=kernel == "stacked", gathered=True)
     layer.weight.copy_(plain.weight)
-    for slot in range(1, 5):
-        layer.load_slot(slot, [(plain.lora_a(slot)[i * 8:(i + 1) * 8], plain.b_matrix(slot)[:, start:end].T)
-                               for i, (start, end) in enumerate(plain._slices)])
+    _load_slots_of(layer, plain)
     if kernel == "stacked":
         stacked = layer.weight_stacked
         assert stacked.shape == (40 + 5 * 24, 32) and layer.weight.data_ptr() == stacked.data_ptr()
@@ -103,9 +108,7 @@ def test_stacked_kernel_on_a_quantized_projection_takes_the_gathered_form():
     plain = _layer(4, 8, block_diagonal_b=False)
     qt = quantization.quantize_int8(plain.weight)
     layer.load_quantized(qt)
-    for slot in range(1, 5):
-        layer.load_slot(slot, [(plain.lora_a(slot)[i * 8:(i + 1) * 8], plain.b_matrix(slot)[:, start:end].T)
-                               for i, (start, end) in enumerate(plain._slices)])
+    _load_slots_of(layer, plain)
     assert layer.weight_stacked is None and layer.weight is None
     x, idx = torch.randn(6, 32), torch.tensor([1, 0, 4, 2, 3, 1])
     base = x @ qt.dequantize().T
@@ -125,8 +128,7 @@ def test_masked_kernel_isolates_an_overflowing_slot():
     # The gathered expand reads each token's own slot's shrink only: the overflow stays in its token's row.
     compact = _layer(4, 8, block_diagonal_b=False)
     compact.lora_a_stack[2].fill_(3e38)
-    shrink = F.linear(x, compact.lora_a_stack.view(5 * compact.slot_rows, -1))
-    delta = lora_deltas.gathered(compact, shrink, idx)
+    delta = lora_deltas.gathered(compact, lora_deltas.shrink_all_slots(compact, x), idx)
     assert delta[[0, 2]].isfinite().all() and not delta[1].isfinite().all()
 
 

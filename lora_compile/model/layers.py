@@ -285,9 +285,7 @@ class LoRALinear(nn.Module):
     def _delta(self, x: torch.Tensor, lora: LoRABatch, compiled: bool) -> torch.Tensor:
         """The step's LoRA delta by the model's kernel, the base product apart."""
         if self.gathered:  # every slot's shrink in one GEMM, each token's own read back in the expand
-            slots = self.lora_a_stack.shape[0]
-            return lora_deltas.gathered(self, F.linear(x, self.lora_a_stack.view(slots * self.slot_rows, -1)),
-                                        lora.weight_indices)
+            return lora_deltas.gathered(self, lora_deltas.shrink_all_slots(self, x), lora.weight_indices)
         if lora.segment_offsets is not None:
             return lora_deltas.grouped(self, x, lora, compiled)
         if lora.slot_mask is not None:

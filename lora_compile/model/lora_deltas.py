@@ -90,9 +90,15 @@ def masked(layer: LoRALinear, x: torch.Tensor, slot_mask: torch.Tensor) -> torch
     share of a long prefill's. Replaced, never multiplied by the mask: another slot's shrink may overflow, and
     0 x inf would be NaN in this token's row."""
     tokens, slots, rows = x.shape[0], layer.lora_a_stack.shape[0], layer.slot_rows
-    shrink = F.linear(x, layer.lora_a_stack.view(slots * rows, -1)).view(tokens, slots, rows)
+    shrink = shrink_all_slots(layer, x).view(tokens, slots, rows)
     shrink = torch.where(slot_mask[:, :, None], shrink, 0).view(tokens, slots * rows)
     return shrink @ layer.lora_b.view(slots * rows, -1)
+
+
+def shrink_all_slots(layer: LoRALinear, x: torch.Tensor) -> torch.Tensor:
+    """Every token through every slot's A in one GEMM (all slots' A rows side by side): (T, slots·c·r), what the
+    masked and gathered kernels start from."""
+    return F.linear(x, layer.lora_a_stack.view(-1, layer.in_features))
 
 
 def gathered(layer: LoRALinear, shrink: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
